@@ -1,0 +1,88 @@
+"""What one forward step sees: the flattened token batch and the cache tensors (DESIGN.md §3-§4).
+
+Layers never see requests or HF cache objects. A step is `T` tokens of `N` sequences laid end to end;
+sequence i owns tokens `cu_seqlens[i]:cu_seqlens[i+1]`, which are its positions
+`context_lens[i] - query_lens[i] ... context_lens[i] - 1`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class CacheTensors:
+    """The two pools. `pages[b, l]` is block b's page of full-attention layer l ([block_size, row]);
+    one row per block packs every MLA layer. `conv[s, l]` / `recurrent[s, l]` are state slot s of KDA
+    layer l: the last W-1 pre-conv q/k/v inputs (oldest first) and the fp32 [H, V, K] matrix."""
+
+    pages: torch.Tensor  # [num_blocks, n_mla, block_size, row_width]
+    conv: torch.Tensor  # [num_slots, n_kda, 3P, W-1]
+    recurrent: torch.Tensor  # [num_slots, n_kda, H, V, K] fp32
+
+    @property
+    def block_size(self) -> int:
+        return self.pages.shape[2]
+
+
+@dataclass
+class Batch:
+    query_lens: list[int]
+    context_lens: list[int]  # tokens of the sequence in the cache after this step
+    cu_seqlens: torch.Tensor  # [N+1] long
+    positions: torch.Tensor  # [T] long
+    block_tables: torch.Tensor  # [N, max_blocks] long (-1 = unused)
+    slot_mapping: torch.Tensor  # [T] long: block * block_size + offset of each new token
+    state_slots: torch.Tensor  # [N] long
+    fresh_state: torch.Tensor  # [N] bool: start from a zero KDA state (slot contents ignored)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(self.query_lens))
+
+    @property
+    def decode_only(self) -> bool:
+        return all(q == 1 for q in self.query_lens)
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        state_slots: list[int],
+        fresh_state: list[bool],
+        device: torch.device | str = "cpu",
+    ) -> Batch:
+        """Vectorised construction from per-sequence lists (no per-token Python loops)."""
+        q = torch.tensor(query_lens, dtype=torch.long)
+        ctx = torch.tensor(context_lens, dtype=torch.long)
+        cu = torch.zeros(len(query_lens) + 1, dtype=torch.long)
+        cu[1:] = torch.cumsum(q, 0)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), q)
+        start = (ctx - q)[seq_of_token]
+        positions = start + torch.arange(int(cu[-1])) - cu[:-1][seq_of_token]
+        width = max((len(b) for b in block_tables), default=0) or 1
+        bt = torch.full((len(block_tables), width), -1, dtype=torch.long)
+        for i, blocks in enumerate(block_tables):
+            if blocks:
+                bt[i, : len(blocks)] = torch.as_tensor(blocks, dtype=torch.long)
+        slot_mapping = bt[seq_of_token, positions // block_size] * block_size + positions % block_size
+        dev = torch.device(device)
+        return cls(
+            query_lens=list(query_lens),
+            context_lens=list(context_lens),
+            cu_seqlens=cu.to(dev),
+            positions=positions.to(dev),
+            block_tables=bt.to(dev),
+            slot_mapping=slot_mapping.to(dev),
+            state_slots=torch.tensor(state_slots, dtype=torch.long, device=dev),
+            fresh_state=torch.tensor(fresh_state, dtype=torch.bool, device=dev),
+        )

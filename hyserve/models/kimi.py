@@ -1,0 +1,121 @@
+"""The Kimi model family assembled from layers by config flags: Kimi Linear and Kimi K3.
+
+Kimi Linear: plain pre-norm residuals. K3: Block AttnRes replaces the residual stream (spec §3.5).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hyserve.models.batch import Batch, CacheTensors
+from hyserve.models.config import ModelConfig
+from hyserve.models.layers.attn_res import AttnRes
+from hyserve.models.layers.kda import KimiDeltaAttention
+from hyserve.models.layers.mla import MLAttention
+from hyserve.models.layers.moe import MoE, DenseMLP, glu_of
+from hyserve.models.layers.norm import RMSNorm
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__()
+        kind = cfg.layer_types[index]
+        if kind == "kda":
+            self.self_attn = KimiDeltaAttention(cfg, cfg.kda_layers.index(index))
+        else:
+            self.self_attn = MLAttention(cfg, cfg.mla_layers.index(index))
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.mlp_types[index] == "moe":
+            self.block_sparse_moe = MoE(cfg)
+        else:
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, glu_of(cfg))
+        if cfg.attn_res_block_size:
+            self.self_attention_res = AttnRes(cfg.hidden_size, cfg.rms_norm_eps)
+            self.mlp_res = AttnRes(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def attn(self, x: torch.Tensor, batch: Batch, cache: CacheTensors) -> torch.Tensor:
+        return self.self_attn(self.input_layernorm(x), batch, cache)
+
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.post_attention_layernorm(x)
+        return self.block_sparse_moe(h) if hasattr(self, "block_sparse_moe") else self.mlp(h)
+
+
+class KimiModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.block = cfg.attn_res_block_size
+        if self.block:
+            self.output_attn_res = AttnRes(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, batch: Batch, cache: CacheTensors) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        if not self.block:
+            for layer in self.layers:
+                x = x + layer.attn(x, batch, cache)
+                x = x + layer.ffn(x)
+            return self.norm(x)
+        prefix: torch.Tensor | None = x
+        blocks: list[torch.Tensor] = []
+        for i, layer in enumerate(self.layers):
+            h = layer.self_attention_res(blocks, prefix) if blocks else prefix
+            if i % self.block == 0:
+                blocks.append(prefix)
+                prefix = None
+            a = layer.attn(h, batch, cache)
+            prefix = a if prefix is None else prefix + a
+            prefix = prefix + layer.ffn(layer.mlp_res(blocks, prefix))
+        return self.norm(self.output_attn_res(blocks, prefix))
+
+
+class KimiForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = KimiModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def forward(self, input_ids: torch.Tensor, batch: Batch, cache: CacheTensors) -> torch.Tensor:
+        """Final-normed hidden states [T, D] for the flattened step; reads and writes `cache`."""
+        return self.model(input_ids, batch, cache)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def make_cache(self, num_blocks: int, block_size: int, num_slots: int, dtype: torch.dtype | None = None) -> CacheTensors:
+        cfg, dev = self.config, self.device
+        dtype = dtype or self.dtype
+        p = cfg.kda_proj_dim
+        return CacheTensors(
+            pages=torch.zeros(num_blocks, len(cfg.mla_layers), block_size, cfg.kv_row_width, dtype=dtype, device=dev),
+            conv=torch.zeros(num_slots, len(cfg.kda_layers), 3 * p, cfg.conv_kernel_size - 1, dtype=dtype, device=dev),
+            recurrent=torch.zeros(
+                num_slots, len(cfg.kda_layers), cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim,
+                dtype=torch.float32, device=dev,
+            ),
+        )
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int], block_size: int = 64) -> torch.Tensor:
+        """Float32 logits [T, vocab] for one sequence from an empty state, through the engine's layers."""
+        n = len(token_ids)
+        if n == 0:
+            raise ValueError("score() needs at least one token")
+        blocks = (n + block_size - 1) // block_size
+        cache = self.make_cache(blocks, block_size, 1)
+        batch = Batch.build([n], [n], [list(range(blocks))], block_size, [0], [True], self.device)
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        return self.compute_logits(self.forward(ids, batch, cache))

@@ -1,0 +1,103 @@
+"""Kimi Delta Attention layer (spec/models.md §2.4; K3 deltas §3.3).
+
+Prefill chunks run the chunked form per sequence; single-token decodes run the recurrence batched over
+sequences. Both read and write the sequence's state slot in place (conv tail + fp32 recurrent matrix).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hyserve.models.batch import Batch, CacheTensors
+from hyserve.models.config import ModelConfig
+from hyserve.models.layers.norm import gated_rms_norm, l2_normalize
+from hyserve.ops import kda as kda_ops
+
+
+def _linear(i: int, o: int) -> nn.Linear:
+    return nn.Linear(i, o, bias=False)
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, kda_index: int):
+        super().__init__()
+        d, h, k = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim
+        p = h * k
+        self.kda_index, self.num_heads, self.head_dim = kda_index, h, k
+        self.eps, self.lower_bound = cfg.rms_norm_eps, cfg.gate_lower_bound
+        self.q_proj, self.k_proj, self.v_proj = _linear(d, p), _linear(d, p), _linear(d, p)
+        # q, k, v depthwise conv taps in one [3P, W] fp32 tensor (channel order q | k | v)
+        self.conv_weight = nn.Parameter(torch.zeros(3 * p, cfg.conv_kernel_size, dtype=torch.float32))
+        self.f_a_proj, self.f_b_proj = _linear(d, k), _linear(k, p)
+        self.dt_bias = nn.Parameter(torch.zeros(p, dtype=torch.float32))
+        self.A_log = nn.Parameter(torch.zeros(h, dtype=torch.float32))
+        self.b_proj = _linear(d, h)
+        if cfg.kda_full_rank_gate:
+            self.g_proj = _linear(d, p)
+        else:
+            self.g_a_proj, self.g_b_proj = _linear(d, k), _linear(k, p)
+        self.o_norm_weight = nn.Parameter(torch.ones(k, dtype=torch.float32))
+        self.o_proj = _linear(p, d)
+
+    def output_gate(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "g_proj"):
+            return self.g_proj(x)
+        return self.g_b_proj(self.g_a_proj(x))
+
+    def forward(self, x: torch.Tensor, batch: Batch, cache: CacheTensors) -> torch.Tensor:
+        t, h, k = x.shape[0], self.num_heads, self.head_dim
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)  # pre-conv, model dtype
+        g = kda_ops.kda_gate(self.f_b_proj(self.f_a_proj(x)).view(t, h, k), self.A_log, self.dt_bias, self.lower_bound)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        conv_pool = cache.conv[:, self.kda_index]
+        rec_pool = cache.recurrent[:, self.kda_index]
+        o = torch.empty(t, h, k, dtype=torch.float32, device=x.device)
+
+        qlens = batch.query_lens
+        decode = [i for i, n in enumerate(qlens) if n == 1]
+        if decode:
+            self._decode(decode, qkv, g, beta, o, batch, conv_pool, rec_pool)
+        cu = batch.cu_seqlens.tolist()
+        for i, n in enumerate(qlens):
+            if n > 1:
+                self._prefill(i, slice(cu[i], cu[i + 1]), qkv, g, beta, o, batch, conv_pool, rec_pool)
+
+        gate = self.output_gate(x).view(t, h, k)
+        out = gated_rms_norm(o, gate, self.o_norm_weight, self.eps).reshape(t, h * k)
+        return self.o_proj(out.to(x.dtype))
+
+    def _split_qkv(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n, h, k = y.shape[0], self.num_heads, self.head_dim
+        y = y.to(self.q_proj.weight.dtype).float()  # the conv output leaves the op in model dtype
+        q, kk, v = y.view(n, 3, h, k).unbind(1)
+        return l2_normalize(q), l2_normalize(kk), v
+
+    def _decode(self, seqs, qkv, g, beta, o, batch, conv_pool, rec_pool) -> None:
+        idx = torch.tensor(seqs, device=qkv.device)
+        tok = batch.cu_seqlens[idx]
+        slots = batch.state_slots[idx]
+        fresh = batch.fresh_state[idx]
+        tails = conv_pool[slots]
+        states = rec_pool[slots]
+        if bool(fresh.any()):
+            tails = tails.masked_fill(fresh[:, None, None], 0)
+            states = states.masked_fill(fresh[:, None, None, None], 0)
+        y, new_tails = kda_ops.short_conv_step(qkv[tok], self.conv_weight, tails)
+        q, kk, v = self._split_qkv(y)
+        out, new_states = kda_ops.kda_recurrent(q, kk, v, g[tok], beta[tok], states, self.head_dim**-0.5)
+        o[tok] = out
+        conv_pool[slots] = new_tails.to(conv_pool.dtype)
+        rec_pool[slots] = new_states
+
+    def _prefill(self, i, sl, qkv, g, beta, o, batch, conv_pool, rec_pool) -> None:
+        slot = int(batch.state_slots[i])
+        fresh = bool(batch.fresh_state[i])
+        tail = None if fresh else conv_pool[slot]
+        state = rec_pool.new_zeros(rec_pool.shape[1:]) if fresh else rec_pool[slot]
+        y, new_tail = kda_ops.short_conv(qkv[sl], self.conv_weight, tail)
+        q, kk, v = self._split_qkv(y)
+        out, new_state = kda_ops.kda_chunk(q, kk, v, g[sl], beta[sl], state, self.head_dim**-0.5)
+        o[sl] = out
+        conv_pool[slot] = new_tail.to(conv_pool.dtype)
+        rec_pool[slot] = new_state

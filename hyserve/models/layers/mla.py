@@ -1,0 +1,81 @@
+"""MLA without position encoding (Kimi Linear, spec §2.5) and K3's gated MLA with q-LoRA (§3.4)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hyserve.models.batch import Batch, CacheTensors
+from hyserve.models.config import ModelConfig
+from hyserve.models.layers.norm import RMSNorm
+from hyserve.ops import mla_attention as mla_ops
+
+# q_a_layernorm / kv_a_layernorm use the class default eps, not rms_norm_eps (spec §1.4).
+_LATENT_NORM_EPS = 1e-6
+
+
+def _linear(i: int, o: int) -> nn.Linear:
+    return nn.Linear(i, o, bias=False)
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, mla_index: int):
+        super().__init__()
+        d, h = cfg.hidden_size, cfg.num_attention_heads
+        self.mla_index, self.num_heads = mla_index, h
+        self.dn, self.dr, self.dv, self.rank = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        self.scale = cfg.qk_head_dim**-0.5
+        if cfg.q_lora_rank:
+            self.q_a_proj = _linear(d, cfg.q_lora_rank)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, _LATENT_NORM_EPS)
+            self.q_b_proj = _linear(cfg.q_lora_rank, h * cfg.qk_head_dim)
+        else:
+            self.q_proj = _linear(d, h * cfg.qk_head_dim)
+        self.kv_a_proj_with_mqa = _linear(d, self.rank + self.dr)
+        self.kv_a_layernorm = RMSNorm(self.rank, _LATENT_NORM_EPS)
+        self.kv_b_proj = _linear(self.rank, h * (self.dn + self.dv))
+        if cfg.mla_output_gate:
+            self.g_proj = _linear(d, h * self.dv)
+        self.o_proj = _linear(h * self.dv, d)
+
+    def query(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "q_proj"):
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return q.view(x.shape[0], self.num_heads, self.dn + self.dr)
+
+    def cache_rows(self, x: torch.Tensor) -> torch.Tensor:
+        ckv = self.kv_a_proj_with_mqa(x)
+        return torch.cat([self.kv_a_layernorm(ckv[:, : self.rank]), ckv[:, self.rank :]], -1)
+
+    def forward(self, x: torch.Tensor, batch: Batch, cache: CacheTensors) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.query(x)
+        q_nope, q_rope = q[..., : self.dn], q[..., self.dn :]
+        pages, layer, bs = cache.pages, self.mla_index, cache.block_size
+        pages[batch.slot_mapping // bs, layer, batch.slot_mapping % bs] = self.cache_rows(x).to(pages.dtype)
+
+        o = torch.empty(t, self.num_heads, self.dv, dtype=torch.float32, device=x.device)
+        qlens, ctx = batch.query_lens, batch.context_lens
+        decode = [i for i, n in enumerate(qlens) if n == 1]
+        if decode:
+            idx = torch.tensor(decode, device=x.device)
+            tok = batch.cu_seqlens[idx]
+            ctx_t = torch.tensor([ctx[i] for i in decode], device=x.device)
+            o[tok] = mla_ops.mla_absorbed_decode(
+                q_nope[tok], q_rope[tok], pages, layer, batch.block_tables[idx], ctx_t,
+                self.kv_b_proj.weight, self.rank, self.dv, self.scale,
+            )
+        cu = batch.cu_seqlens.tolist()
+        for i, n in enumerate(qlens):
+            if n > 1:
+                sl = slice(cu[i], cu[i + 1])
+                rows = mla_ops.gather_rows(pages, layer, batch.block_tables[i], ctx[i])
+                o[sl] = mla_ops.mla_expanded(
+                    q_nope[sl], q_rope[sl], rows, self.kv_b_proj.weight, self.rank, self.dv, self.scale, ctx[i] - n
+                )
+        out = o.to(x.dtype).reshape(t, self.num_heads * self.dv)
+        if hasattr(self, "g_proj"):
+            out = out * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(out)

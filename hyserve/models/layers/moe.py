@@ -1,0 +1,77 @@
+"""Dense FFN, MoE (Kimi Linear) and LatentMoE (K3) blocks (spec/models.md §2.6, §3.6)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hyserve.models.config import ModelConfig
+from hyserve.models.layers.activation import GLU
+from hyserve.models.layers.norm import RMSNorm
+from hyserve.ops import moe as moe_ops
+
+
+def _linear(i: int, o: int) -> nn.Linear:
+    return nn.Linear(i, o, bias=False)
+
+
+def glu_of(cfg: ModelConfig) -> GLU:
+    return GLU(cfg.hidden_act, cfg.situ_beta, cfg.situ_linear_beta)
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, dim: int, inter: int, act: GLU):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = _linear(dim, inter), _linear(dim, inter), _linear(inter, dim)
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size, dtype=torch.float32))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts, dtype=torch.float32))
+        self.top_k, self.renormalize, self.scaling = cfg.num_experts_per_tok, cfg.moe_renormalize, cfg.routed_scaling_factor
+        self.n_group, self.topk_group = cfg.num_expert_group, cfg.topk_group
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return moe_ops.route(
+            x, self.weight, self.e_score_correction_bias, self.top_k, renormalize=self.renormalize,
+            scaling=self.scaling, n_group=self.n_group, topk_group=self.topk_group,
+        )
+
+
+class MoE(nn.Module):
+    """Routed experts (stacked weights) + shared experts; K3 adds the latent projections around the experts."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d, e, inter = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+        self.act = glu_of(cfg)
+        self.gate = Router(cfg)
+        self.latent = cfg.latent_moe_dim is not None
+        expert_dim = cfg.latent_moe_dim if self.latent else d
+        if self.latent:
+            self.routed_expert_down_proj = _linear(d, expert_dim)
+            self.routed_expert_norm = RMSNorm(expert_dim, cfg.rms_norm_eps) if cfg.latent_moe_norm else None
+            self.routed_expert_up_proj = _linear(expert_dim, d)
+        self.w13 = nn.Parameter(torch.zeros(e, 2 * inter, expert_dim))
+        self.w2 = nn.Parameter(torch.zeros(e, expert_dim, inter))
+        self.shared_experts = (
+            DenseMLP(d, inter * cfg.num_shared_experts, self.act) if cfg.num_shared_experts else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, w = self.gate(x)
+        xe = self.routed_expert_down_proj(x) if self.latent else x
+        y = moe_ops.experts_forward(xe, ids, w, self.w13, self.w2, self.act)
+        if self.latent:
+            if self.routed_expert_norm is not None:
+                y = self.routed_expert_norm(y)
+            y = self.routed_expert_up_proj(y)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y

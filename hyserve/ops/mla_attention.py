@@ -1,0 +1,60 @@
+"""MLA attention over the paged latent cache (spec/models.md §2.5), torch reference.
+
+A cache row is [c (R) | k_r (d_r)]. The expanded form (prefill) up-projects the context; the absorbed
+form (decode) is MQA with a (R + d_r)-dim query against the rows. They agree up to rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def gather_rows(pages: torch.Tensor, layer: int, block_table: torch.Tensor, n: int) -> torch.Tensor:
+    """Rows of positions 0..n-1 of one sequence: [n, row] (pages [blocks, layers, bs, row])."""
+    bs = pages.shape[2]
+    pos = torch.arange(n, device=pages.device)
+    return pages[block_table[pos // bs], layer, pos % bs]
+
+
+def mla_expanded(
+    q_nope: torch.Tensor, q_rope: torch.Tensor, rows: torch.Tensor, kv_b: torch.Tensor,
+    kv_lora_rank: int, v_head_dim: int, scale: float, start: int,
+) -> torch.Tensor:
+    """One sequence. q_* [q, H, d]; rows [ctx, row]; query j sits at position start + j.
+
+    Returns o [q, H, v_head_dim] in fp32.
+    """
+    nq, h, dn = q_nope.shape
+    c, k_r = rows[:, :kv_lora_rank].float(), rows[:, kv_lora_rank:].float()
+    kv = (c @ kv_b.float().t()).view(-1, h, dn + v_head_dim)
+    k_n, v = kv[..., :dn], kv[..., dn:]
+    scores = torch.einsum("qhd,shd->hqs", q_nope.float(), k_n) + torch.einsum("qhd,sd->hqs", q_rope.float(), k_r)
+    qpos = start + torch.arange(nq, device=rows.device)
+    mask = torch.arange(rows.shape[0], device=rows.device)[None, :] > qpos[:, None]
+    p = torch.softmax((scores * scale).masked_fill(mask, float("-inf")), -1)
+    return torch.einsum("hqs,shd->qhd", p, v)
+
+
+def mla_absorbed_decode(
+    q_nope: torch.Tensor, q_rope: torch.Tensor, pages: torch.Tensor, layer: int, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, kv_b: torch.Tensor, kv_lora_rank: int, v_head_dim: int, scale: float,
+) -> torch.Tensor:
+    """One query token per sequence, batched. q_* [N, H, d]; block_tables [N, B]; context_lens [N].
+
+    Returns o [N, H, v_head_dim] in fp32.
+    """
+    n, h, dn = q_nope.shape
+    bs = pages.shape[2]
+    w = kv_b.float().view(h, dn + v_head_dim, kv_lora_rank)
+    w_uk, w_uv = w[:, :dn], w[:, dn:]
+    q_lat = torch.einsum("nhd,hdr->nhr", q_nope.float(), w_uk)
+    q_full = torch.cat([q_lat, q_rope.float()], -1)  # [N, H, R + d_r]
+    ctx_max = int(context_lens.max())
+    pos = torch.arange(ctx_max, device=pages.device)
+    blocks = block_tables[:, pos // bs].clamp_min(0)
+    rows = pages[blocks, layer, (pos % bs).expand_as(blocks)].float()  # [N, S, row]
+    scores = torch.einsum("nhr,nsr->nhs", q_full, rows) * scale
+    scores = scores.masked_fill((pos[None, :] >= context_lens[:, None])[:, None, :], float("-inf"))
+    p = torch.softmax(scores, -1)
+    o_lat = torch.einsum("nhs,nsr->nhr", p, rows[..., :kv_lora_rank])
+    return torch.einsum("nhr,hvr->nhv", o_lat, w_uv)

@@ -1,0 +1,61 @@
+"""MoE routing and expert compute, torch reference (spec/models.md §2.6, §3.6, §1.6)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def topk_ordered(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-k indices by score descending, ties to the lower index (a stable descending sort)."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def route(
+    x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, *,
+    renormalize: bool, scaling: float, n_group: int = 1, topk_group: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sigmoid router with a selection-only correction bias. Returns (ids [T, k] long, weights [T, k] fp32)."""
+    s = torch.sigmoid(x.float() @ gate_weight.float().t())
+    choice = s + bias.float() if bias is not None else s
+    if n_group > 1 and topk_group < n_group:
+        t, e = choice.shape
+        grouped = choice.view(t, n_group, e // n_group)
+        group_score = grouped.topk(2, dim=-1).values.sum(-1)
+        keep = torch.zeros_like(group_score, dtype=torch.bool)
+        keep.scatter_(1, topk_ordered(group_score, topk_group), True)
+        choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(t, e)
+    ids = topk_ordered(choice, top_k)
+    w = s.gather(1, ids)
+    if renormalize and top_k > 1:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return ids, w * scaling
+
+
+def experts_forward(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+    act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """y[t] = sum_j weights[t, j] * w2_e(act(w1_e x, w3_e x)), e = ids[t, j]; fp32 sum, x's dtype out.
+
+    w13 [E, 2I, D] stacks w1 (gate) over w3 (up); w2 [E, D, I].
+    """
+    t, k = ids.shape
+    inter = w13.shape[1] // 2
+    y = torch.zeros(t, w2.shape[1], dtype=torch.float32, device=x.device)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    tok = order // k
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        sel = order[start : start + n]
+        rows = tok[start : start + n]
+        start += n
+        h = x[rows] @ w13[e].t()
+        out = act(h[:, :inter], h[:, inter:]) @ w2[e].t()
+        y.index_add_(0, rows, out.float() * weights.reshape(-1)[sel, None])
+    return y.to(x.dtype)
