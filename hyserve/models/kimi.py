@@ -13,7 +13,7 @@ from hyserve.models.config import ModelConfig
 from hyserve.models.layers.attn_res import AttnRes
 from hyserve.models.layers.kda import KimiDeltaAttention
 from hyserve.models.layers.mla import MLAttention
-from hyserve.models.layers.moe import MoE, DenseMLP, glu_of
+from hyserve.models.layers.moe import DenseMLP, MoE, glu_of
 from hyserve.models.layers.norm import RMSNorm
 
 

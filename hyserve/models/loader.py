@@ -189,6 +189,10 @@ class _Assembler:
         moe = cfg.mlp_types[i] == "moe"
         if moe and rest.startswith("mlp."):
             rest = "block_sparse_moe." + rest[4:]  # transformers-5 spelling
+        elif not moe and rest.startswith("block_sparse_moe."):
+            # transformers' save_pretrained reverses its `.block_sparse_moe.` -> `.mlp.` rename on every
+            # layer, so the dense layer 0 comes back as `block_sparse_moe.{gate,up,down}_proj`
+            rest = "mlp." + rest[len("block_sparse_moe.") :]
         rest = re.sub(r"^(self_attention_res|mlp_res)_(norm|proj)\.weight$", r"\1.\2", rest)
         rest = rest.replace("self_attn.forget_gate.", "self_attn.")
         rest = rest.replace("self_attn.o_norm.weight", "self_attn.o_norm_weight")

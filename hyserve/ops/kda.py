@@ -9,6 +9,11 @@ import torch
 import torch.nn.functional as F
 
 
+def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """fp32, except that float64 inputs stay float64 so the exactness tests can run in double."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def kda_gate(
     f: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None
 ) -> torch.Tensor:
@@ -56,7 +61,7 @@ def kda_recurrent(
     q, k [N, H, K] (already L2-normalised), v [N, H, V], g [N, H, K] log decay, beta [N, H],
     state [N, H, V, K]. Returns (o [N, H, V], new state); all fp32.
     """
-    m = state.float() * torch.exp(g).unsqueeze(-2)  # decay the key columns
+    m = _at_least_fp32(state) * torch.exp(g).unsqueeze(-2)  # decay the key columns
     pred = torch.einsum("nhvk,nhk->nhv", m, k)
     m = m + torch.einsum("nhv,nhk->nhvk", beta.unsqueeze(-1) * (v - pred), k)
     o = torch.einsum("nhvk,nhk->nhv", m, q * scale)
@@ -68,7 +73,7 @@ def kda_recurrent_seq(
     state: torch.Tensor, scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The recurrence over T tokens of one sequence (q, k, g [T, H, K]; v [T, H, V]; state [H, V, K])."""
-    outs, m = [], state.float().unsqueeze(0)
+    outs, m = [], _at_least_fp32(state).unsqueeze(0)
     for t in range(q.shape[0]):
         o, m = kda_recurrent(q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1], beta[t : t + 1], m, scale)
         outs.append(o)
@@ -83,8 +88,8 @@ def kda_chunk(
 
     Shapes as kda_recurrent_seq. Works in fla's K-first S = Mᵀ internally; returns (o [T, H, V], M).
     """
-    s = state.float().transpose(-1, -2)  # [H, K, V]
-    q, k, v, g, beta = (x.float().transpose(0, 1) for x in (q, k, v, g, beta))  # head-major
+    s = _at_least_fp32(state).transpose(-1, -2)  # [H, K, V]
+    q, k, v, g, beta = (_at_least_fp32(x).transpose(0, 1) for x in (q, k, v, g, beta))  # head-major
     outs = []
     for c0 in range(0, q.shape[1], chunk_size):
         sl = slice(c0, c0 + chunk_size)
@@ -96,7 +101,7 @@ def kda_chunk(
         decay = torch.exp(diff.masked_fill(~causal[None, :, :, None], float("-inf")))
         kk = torch.einsum("hrk,hsk,hrsk->hrs", kc, kc, decay)
         lower = (bc.unsqueeze(-1) * kk).tril(-1)
-        eye = torch.eye(n, device=q.device).expand_as(lower)
+        eye = torch.eye(n, dtype=lower.dtype, device=q.device).expand_as(lower)
         ab = torch.cat([bc.unsqueeze(-1) * vc, bc.unsqueeze(-1) * kc * torch.exp(gam)], -1)
         sol = torch.linalg.solve_triangular(eye + lower, ab, upper=False, unitriangular=True)
         u, wm = sol[..., : vc.shape[-1]], sol[..., vc.shape[-1] :]

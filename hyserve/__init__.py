@@ -1,0 +1,71 @@
+"""hyserve: an inference and serving engine for the Kimi K3 model family.
+
+The offline API mirrors vLLM's (`LLM`, `SamplingParams`, `RequestOutput`) so scripts carry over.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from hyserve.config import EngineConfig
+from hyserve.outputs import CompletionOutput, Logprob, RequestOutput
+from hyserve.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "EngineConfig", "__version__"]
+
+PromptType = str | list[int] | dict
+
+
+class LLM:
+    """Offline generation: `LLM(model="k3-tiny").generate(prompts, SamplingParams(...))`."""
+
+    def __init__(self, model: str = "k3-tiny", **kwargs):
+        from hyserve.engine.llm_engine import LLMEngine
+
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion. A prompt that cannot be served (too long, bad parameters)
+        comes back finished with `error` set; the others are unaffected."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        results: dict[str, RequestOutput] = {}
+        order = []
+        for prompt, p in zip(prompts, params):
+            rid = str(next(self._ids))
+            order.append(rid)
+            try:
+                self.engine.add_request(rid, prompt, p)
+            except ValueError as e:
+                results[rid] = RequestOutput(rid, prompt if isinstance(prompt, str) else None, None, None,
+                                             [CompletionOutput(0, "", [], None, None, "error")], True, error=str(e))
+        bar = _progress(len(order) - len(results), use_tqdm)
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [results[rid] for rid in order]
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="Processed prompts", disable=not enabled or total <= 1, dynamic_ncols=True)

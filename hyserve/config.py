@@ -1,0 +1,58 @@
+"""Engine configuration: flat dataclasses with vLLM's names where a counterpart exists (DESIGN.md §8)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+def _env_int(name: str, default: int | None) -> int | None:
+    v = os.environ.get(name)
+    return default if v in (None, "") else int(v)
+
+
+@dataclass
+class EngineConfig:
+    model: str = "k3-tiny"
+    dtype: str = "auto"
+    device: str | None = None  # None: cuda when available, else cpu
+    seed: int = 0
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    # scheduler
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    scheduling_policy: str = "fcfs"  # "fcfs" | "priority"
+    # cache
+    block_size: int = 64
+    num_gpu_blocks: int | None = None  # page count override (the CPU default sizing uses bytes)
+    num_state_slots: int | None = None  # state slot count override
+    kv_cache_memory_bytes: int | None = None  # pool budget override (both pools)
+    gpu_memory_utilization: float = 0.9
+    kv_cache_dtype: str = "auto"
+    # prefix caching (DESIGN.md §5)
+    enable_prefix_caching: bool = True
+    prefix_cache_retention_interval: int | None = None
+    prefix_cache_second_hit: bool = True
+    prefix_cache_end_of_generation: bool = True
+    num_checkpoint_slots: int | None = None
+    cpu_offload_bytes: int = 0
+    # execution
+    enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        if self.prefix_cache_retention_interval is None:
+            self.prefix_cache_retention_interval = _env_int("HYSERVE_PREFIX_CACHE_RETENTION_INTERVAL", 0)
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be at least 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be at least 1")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got '{self.scheduling_policy}'")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.prefix_cache_retention_interval < 0:
+            raise ValueError("prefix_cache_retention_interval must be >= 0")

@@ -1,0 +1,321 @@
+"""add_request / abort / step: the engine loop (DESIGN.md §3)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from hyserve.config import EngineConfig
+from hyserve.engine.kv_cache import KVCacheManager, plan_cache
+from hyserve.engine.model_runner import ModelRunner
+from hyserve.engine.request import Request, RequestStatus
+from hyserve.engine.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs, logprob_dicts
+from hyserve.engine.scheduler import Scheduler, SchedulerOutput
+from hyserve.models.loader import load_model, resolve_dtype
+from hyserve.outputs import CompletionOutput, Logprob, RequestOutput
+from hyserve.sampling_params import SamplingParams
+from hyserve.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Parent:
+    """A user request; n > 1 fans out into n child requests that are scheduled independently."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request] = field(default_factory=list)
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    last_step_tokens: int = 0
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig, model=None, tokenizer: Tokenizer | None = None):
+        self.cfg = cfg
+        device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        torch.manual_seed(cfg.seed)
+        self.model = model if model is not None else load_model(cfg.model, dtype=cfg.dtype, device=device, seed=cfg.seed)
+        self.model_config = self.model.config
+        self.device = self.model.device
+        self.tokenizer = tokenizer or load_tokenizer(
+            cfg.tokenizer or (cfg.model if os.path.isdir(cfg.model) else None), self.model_config.tokenizer_family
+        )
+        limit = self.model_config.max_position_embeddings
+        self.max_model_len = min(cfg.max_model_len or limit, limit)
+        cache_dtype = self.model.dtype if cfg.kv_cache_dtype == "auto" else resolve_dtype(cfg.kv_cache_dtype, self.model_config)
+        self.cache_plan = plan_cache(cfg, self.model, cache_dtype, self.max_model_len)
+        log.info(self.cache_plan.describe())
+        self.kv = KVCacheManager(self.model, self.cache_plan, cache_dtype)
+        self.prefix_cache = self._make_prefix_cache()
+        self.scheduler = Scheduler(cfg, self.kv, self.prefix_cache)
+        self.runner = ModelRunner(self.model, self.kv)
+        self.sampler = Sampler()
+        self.eos_token_ids = list(self.model_config.eos_token_ids) or [self.tokenizer.eos_token_id]
+        self.parents: dict[str, _Parent] = {}
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
+
+    def _make_prefix_cache(self):
+        if not self.cfg.enable_prefix_caching:
+            return None
+        try:
+            from hyserve.engine.prefix_cache import PrefixCache
+        except ImportError:  # built without the prefix cache module
+            return None
+        return PrefixCache(self.cfg, self.kv, self.model_config)
+
+    # ---- requests --------------------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None, *,
+        arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
+    ) -> None:
+        """Queue a request. Raises ValueError (nothing queued) when the prompt or parameters are invalid."""
+        params = params or SamplingParams()
+        if request_id in self.parents:
+            raise ValueError(f"request id '{request_id}' is already in use")
+        text, ids = self._prompt_ids(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {self.model_config.vocab_size}): {bad[:5]}")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens, which leaves no room to generate within max_model_len "
+                f"{self.max_model_len}"
+            )
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        if params.logit_bias:
+            out_of_range = [t for t in params.logit_bias if not 0 <= t < self.model_config.vocab_size]
+            if out_of_range:
+                raise ValueError(f"logit_bias token ids out of range: {out_of_range[:5]}")
+        arrival = arrival_time or time.time()
+        parent = _Parent(request_id, text, ids)
+        for i in range(params.n):
+            child = Request(
+                request_id=f"{request_id}" if params.n == 1 else f"{request_id}#{i}",
+                prompt_token_ids=ids, params=params, max_tokens=max_tokens, arrival_time=arrival,
+                priority=priority, cache_salt=cache_salt, prompt=text,
+            )
+            if params.seed is not None:
+                child.generator = torch.Generator(device=self.device).manual_seed(params.seed + i)
+            child.extra["index"] = i
+            child.extra["detok"] = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+            child.extra["text"] = ""
+            parent.children.append(child)
+            self.scheduler.add(child)
+        self.parents[request_id] = parent
+
+    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
+
+    def abort_request(self, request_id: str) -> None:
+        parent = self.parents.pop(request_id, None)
+        if parent is None:
+            return
+        for child in parent.children:
+            if not child.is_finished:
+                self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.parents)
+
+    # ---- the step --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if not out.seqs:
+            return self._unschedulable()
+        touched = {s.req for s in out.seqs}
+        logits = self.runner.execute(out)
+        now = time.time()
+        for s in out.seqs:
+            s.req.num_computed_tokens = s.end
+            s.req.fresh_state = False
+            if s.start < s.req.num_prompt_tokens:
+                self.stats.prompt_tokens += min(s.end, s.req.num_prompt_tokens) - s.start
+        self._prompt_logprobs(out, logits.prompt_logits)
+        if logits.sample_rows:
+            self._sample(out, logits.sample_rows, logits.logits, now)
+        if self.prefix_cache is not None:
+            self.prefix_cache.after_step(out)
+        self.stats.last_step_tokens = out.num_tokens
+        return self._outputs(touched)
+
+    def _unschedulable(self) -> list[RequestOutput]:
+        """Nothing fits even with an empty running set: fail the head request instead of hanging."""
+        if self.scheduler.running or not self.scheduler.waiting:
+            return []
+        req = self.scheduler._next_waiting()
+        req.error = (
+            f"the request needs {-(-req.num_tokens // self.kv.block_size)} cache pages but the pool holds "
+            f"{self.kv.blocks.num_blocks}; raise the cache budget or shorten the prompt"
+        )
+        self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+        return self._outputs({req})
+
+    def _prompt_logprobs(self, out: SchedulerOutput, prompt_logits: dict[int, torch.Tensor]) -> None:
+        for i, lg in prompt_logits.items():
+            s = out.seqs[i]
+            req, k = s.req, s.req.params.prompt_logprobs
+            if req.prompt_logprobs is None or s.start == 0:
+                req.prompt_logprobs = [None]
+            n = min(s.end, req.num_prompt_tokens - 1) - s.start  # positions that predict a prompt token
+            if n <= 0:
+                continue
+            nxt = torch.tensor(req.prompt_token_ids[s.start + 1 : s.start + 1 + n], device=lg.device)
+            r = compute_prompt_logprobs(lg[:n], nxt, k)
+            rows = logprob_dicts(
+                nxt.tolist(), r.logprobs.tolist(), r.ranks.tolist(),
+                r.top_token_ids.tolist() if r.top_token_ids is not None else None,
+                r.top_logprobs.tolist() if r.top_logprobs is not None else None, [k] * n,
+            )
+            req.prompt_logprobs.extend(self._decode_logprobs(rows))
+
+    def _sample(self, out: SchedulerOutput, rows: list[int], logits: torch.Tensor, now: float) -> None:
+        reqs = [out.seqs[i].req for i in rows]
+        meta = SamplingMetadata.build(
+            [r.params for r in reqs], [r.output_token_ids for r in reqs], [r.prompt_token_ids for r in reqs],
+            [r.generator for r in reqs], self.device, self.eos_token_ids, self.model_config.vocab_size,
+        )
+        mask = self._allowed_mask(reqs, logits)
+        res = self.sampler(logits, meta, mask)
+        tokens, lps, ranks = res.token_ids.tolist(), res.logprobs.tolist(), res.ranks.tolist()
+        top_ids = res.top_token_ids.tolist() if res.top_token_ids is not None else None
+        top_lps = res.top_logprobs.tolist() if res.top_logprobs is not None else None
+        for j, req in enumerate(reqs):
+            if req.is_finished:
+                continue
+            tok = tokens[j]
+            req.output_token_ids.append(tok)
+            req.cumulative_logprob += lps[j]
+            self.stats.generation_tokens += 1
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            req.metrics.last_token_time = now
+            if req.logprobs is not None:
+                k = req.params.logprobs
+                row = logprob_dicts([tok], [lps[j]], [ranks[j]], [top_ids[j]] if top_ids else None,
+                                    [top_lps[j]] if top_lps else None, [k])
+                req.logprobs.extend(self._decode_logprobs(row))
+            structured = req.extra.get("matcher")
+            if structured is not None:
+                structured.accept(tok)
+            req.extra["text"] += req.extra["detok"].step(tok)
+            self._check_stop(req, tok)
+
+    def _allowed_mask(self, reqs: list[Request], logits: torch.Tensor) -> torch.Tensor | None:
+        """Structured outputs: rows whose request carries a grammar matcher get its allowed-token mask."""
+        rows = [(j, r) for j, r in enumerate(reqs) if r.params.structured is not None]
+        if not rows:
+            return None
+        mask = torch.ones_like(logits, dtype=torch.bool)
+        for j, r in rows:
+            if "matcher" not in r.extra:
+                r.extra["matcher"] = r.params.structured.new_matcher()
+            mask[j] = r.extra["matcher"].allowed_mask(logits.shape[1]).to(mask.device)
+        return mask
+
+    def _decode_logprobs(self, rows: list[dict[int, Logprob]]) -> list[dict[int, Logprob]]:
+        for row in rows:
+            for tid, lp in row.items():
+                lp.decoded_token = self.tokenizer.decode([tid], skip_special_tokens=False)
+        return rows
+
+    def _check_stop(self, req: Request, tok: int) -> None:
+        p = req.params
+        status = None
+        if not p.ignore_eos and tok in self.eos_token_ids and len(req.output_token_ids) >= p.min_tokens:
+            status = RequestStatus.FINISHED_STOPPED
+        elif tok in (p.stop_token_ids or ()) and len(req.output_token_ids) >= p.min_tokens:
+            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tok
+        elif p.stop and len(req.output_token_ids) >= p.min_tokens and self._stop_string(req):
+            status = RequestStatus.FINISHED_STOPPED
+        elif len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            if not isinstance(req.stop_reason, str):  # a stop string already cut the text
+                req.extra["text"] += req.extra["detok"].finish()
+            req.metrics.finished_time = time.time()
+            self.scheduler.finish(req, status)
+
+    def _stop_string(self, req: Request) -> bool:
+        text = req.extra["text"]
+        window = max(len(s) for s in req.params.stop) + 8
+        # a stop string can only end inside the newest text: search a bounded tail, not the whole output
+        tail_start = max(0, len(text) - window - 64)
+        best = None
+        for s in req.params.stop:
+            i = text.find(s, tail_start)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return False
+        i, s = best
+        req.extra["text"] = text[: i + len(s)] if req.params.include_stop_str_in_output else text[:i]
+        req.stop_reason = s
+        return True
+
+    # ---- outputs ---------------------------------------------------------------------------------
+    def _outputs(self, touched: set[Request]) -> list[RequestOutput]:
+        seen, outs = set(), []
+        for req in touched:
+            rid = req.request_id.split("#")[0] if req.params.n > 1 else req.request_id
+            if rid in seen or rid not in self.parents:
+                continue
+            seen.add(rid)
+            outs.append(self.make_output(self.parents[rid]))
+            if outs[-1].finished:
+                del self.parents[rid]
+        self.stats.num_running = len(self.scheduler.running)
+        self.stats.num_waiting = len(self.scheduler.waiting)
+        self.stats.kv_cache_usage = self.kv.usage
+        self.stats.num_preemptions = self.scheduler.num_preemptions
+        return outs
+
+    def make_output(self, parent: _Parent) -> RequestOutput:
+        comps = []
+        for c in parent.children:
+            fin = c.status.value if c.is_finished else None
+            comps.append(CompletionOutput(
+                index=c.extra["index"], text=c.extra["text"], token_ids=list(c.output_token_ids),
+                cumulative_logprob=c.cumulative_logprob if c.params.logprobs is not None else None,
+                logprobs=c.logprobs, finish_reason=fin, stop_reason=c.stop_reason,
+            ))
+        first = parent.children[0]
+        out = RequestOutput(
+            request_id=parent.request_id, prompt=parent.prompt, prompt_token_ids=parent.prompt_token_ids,
+            prompt_logprobs=first.prompt_logprobs, outputs=comps,
+            finished=all(c.is_finished for c in parent.children), metrics=first.metrics,
+            num_cached_tokens=first.num_cached_tokens,
+        )
+        out.error = next((c.error for c in parent.children if c.error), None)
+        return out

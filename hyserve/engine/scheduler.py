@@ -1,0 +1,140 @@
+"""One token budget per step, no prefill/decode phases (DESIGN.md §3).
+
+Running requests are served first (a decode is one token; an unfinished prefill continues in chunks),
+then waiting ones in FCFS or priority order. When pages run out, the latest arrival among the running
+requests is preempted by recompute: it frees everything and goes back to the front of the queue.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from hyserve.config import EngineConfig
+from hyserve.engine.kv_cache import KVCacheManager
+from hyserve.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledSeq:
+    req: Request
+    num_new_tokens: int
+    start: int  # req.num_computed_tokens when scheduled
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the last known token, so its last position yields the next token."""
+        return self.end == self.req.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.seqs)
+
+
+class Scheduler:
+    def __init__(self, cfg: EngineConfig, kv: KVCacheManager, prefix_cache=None):
+        self.cfg, self.kv, self.prefix_cache = cfg, kv, prefix_cache
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # ---- queue management ------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def _next_waiting(self) -> Request:
+        if self.cfg.scheduling_policy == "priority":
+            return min(self.waiting, key=lambda r: (r.priority, r.arrival_time))
+        return self.waiting[0]
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Remove a request wherever it is and free its pages and slot."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = status
+        if self.prefix_cache is not None:
+            self.prefix_cache.on_finish(req)
+        self.kv.free(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- the step --------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.cfg.max_num_batched_tokens
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req not in self.running:  # preempted earlier in this loop
+                continue
+            n = self._chunk(req, budget)
+            while not self.kv.allocate(req, req.num_computed_tokens + n):
+                victim = self._victim()
+                self._preempt(victim, out)
+                budget = self.cfg.max_num_batched_tokens - out.num_tokens
+                if victim is req:
+                    break
+            else:
+                out.seqs.append(ScheduledSeq(req, n, req.num_computed_tokens))
+                budget -= n
+        if out.preempted:
+            return out  # memory is short: admit nothing new this step
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            req = self._next_waiting()
+            if not self.kv.allocate_slot(req):
+                break
+            if req.num_computed_tokens == 0 and self.prefix_cache is not None:
+                self.prefix_cache.on_admit(req)
+            n = self._chunk(req, budget)
+            if not self.kv.allocate(req, req.num_computed_tokens + n):
+                if self.prefix_cache is not None:
+                    self.prefix_cache.on_admit_failed(req)
+                self.kv.free(req)
+                req.num_computed_tokens = 0
+                break
+            self.waiting.remove(req)
+            self.running.append(req)
+            req.status = RequestStatus.RUNNING
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = time.time()
+            out.seqs.append(ScheduledSeq(req, n, req.num_computed_tokens))
+            budget -= n
+        return out
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        if self.prefix_cache is not None:
+            n = self.prefix_cache.limit_chunk(req, n)
+        return n
+
+    def _victim(self) -> Request:
+        if self.cfg.scheduling_policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return max(self.running, key=lambda r: r.arrival_time)
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        out.seqs = [s for s in out.seqs if s.req is not req]
+        if self.prefix_cache is not None:
+            self.prefix_cache.on_finish(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.fresh_state = True
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.insert(0, req)
+        out.preempted.append(req)
