@@ -16,11 +16,15 @@ import torch
 class CacheTensors:
     """The two pools. `pages[b, l]` is block b's page of full-attention layer l ([block_size, row]);
     one row per block packs every MLA layer. `conv[s, l]` / `recurrent[s, l]` are state slot s of KDA
-    layer l: the last W-1 pre-conv q/k/v inputs (oldest first) and the fp32 [H, V, K] matrix."""
+    layer l: the last W-1 pre-conv q/k/v inputs (oldest first) and the fp32 [H, V, K] matrix.
+    `index_keys[b, l]` (models with a DSA indexer) holds the same block's index-key records of MLA layer
+    l as bytes: 132 per token for FP8, 68 for MXFP4 (ops/dsa_indexer.py), so a block id still covers
+    everything one block of tokens needs."""
 
     pages: torch.Tensor  # [num_blocks, n_mla, block_size, row_width]
     conv: torch.Tensor  # [num_slots, n_kda, 3P, W-1]
     recurrent: torch.Tensor  # [num_slots, n_kda, H, V, K] fp32
+    index_keys: torch.Tensor | None = None  # [num_blocks, n_mla, block_size, key_bytes] uint8
 
     @property
     def block_size(self) -> int:

@@ -5,18 +5,23 @@ Formats (spec/models.md §2.1, §3.1, §4.1):
   (b) the original Kimi Linear remote code: `linear_attn_config` with 1-based layer lists;
   (c) Kimi K3: a `text_config` (or a flat `KimiK3ForCausalLM` config) with AttnRes, LatentMoE, SiTU-GLU,
       gated MLA with q-LoRA and the bounded KDA gate, switched on by key;
-  (d) K3.1 = K3 + `index_n_heads` / `index_head_dim` / `index_topk`.
+  (d) K3.1 = K3 + `index_n_heads` / `index_head_dim` / `index_topk`;
+  (e) DeepSeek V3.2 (`DeepseekV32ForCausalLM`, §5): every layer MLA + indexer, YaRN RoPE, grouped routing.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
+
+from hyserve.ops.dsa_indexer import KEY_FORMATS, key_record_bytes
 
 KIMI_LINEAR = "KimiLinearForCausalLM"
 KIMI_K3 = "KimiK3ForCausalLM"
+DEEPSEEK_V32 = "DeepseekV32ForCausalLM"
 _K3_NAMES = {"KimiK3ForCausalLM", "KimiK3ForConditionalGeneration"}
 
 
@@ -68,7 +73,11 @@ class ModelConfig:
     index_n_heads: int | None = None
     index_head_dim: int | None = None
     index_topk: int | None = None
-    index_key_format: str = "fp8"
+    index_key_format: str = "fp8"  # "fp8" | "mxfp4" | "raw" (R0: unquantised keys, for exact tests)
+    # RoPE (DeepSeek V3.2); None = NoPE (Kimi)
+    rope_theta: float | None = None
+    rope_scaling: dict | None = None  # YaRN: factor, original_max_position_embeddings, beta_*, mscale*
+    weight_block_size: list[int] | None = None  # FP8 checkpoints: [rows, cols] per weight_scale_inv entry
     # tokens and limits
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
@@ -86,8 +95,28 @@ class ModelConfig:
         return self.architecture == KIMI_K3
 
     @property
+    def is_deepseek_v32(self) -> bool:
+        return self.architecture == DEEPSEEK_V32
+
+    @property
     def has_indexer(self) -> bool:
         return self.index_n_heads is not None
+
+    @property
+    def use_rope(self) -> bool:
+        return self.rope_theta is not None
+
+    @property
+    def attn_softmax_scale(self) -> float:
+        """MLA softmax scale: qk_head_dim^-1/2, times YaRN's mscale(factor, mscale_all_dim)^2 when set
+        (0.1352338 for DeepSeek V3.2, spec §5.2)."""
+        scale = self.qk_head_dim**-0.5
+        rs = self.rope_scaling or {}
+        if rs.get("mscale_all_dim") and rs.get("rope_type", rs.get("type", "default")) != "default":
+            factor = rs.get("factor") or self.max_position_embeddings / rs["original_max_position_embeddings"]
+            m = 1.0 if factor <= 1 else 0.1 * rs["mscale_all_dim"] * math.log(factor) + 1.0
+            scale *= m * m
+        return scale
 
     @property
     def kda_layers(self) -> list[int]:
@@ -114,11 +143,15 @@ class ModelConfig:
         """Bytes per cached token over all full-attention layers (MLA rows only)."""
         return len(self.mla_layers) * self.kv_row_width * dtype_bytes
 
-    def index_key_bytes_per_token(self) -> int:
+    def index_key_bytes_per_layer(self, raw_dtype_bytes: int = 2) -> int:
+        """One token's index-key record: FP8 D+4 (132 for D = 128), MXFP4 D/2 + D/32 (68), raw D * elem."""
         if not self.has_indexer:
             return 0
-        per_layer = 132 if self.index_key_format == "fp8" else 68
-        return len(self.mla_layers) * per_layer
+        return key_record_bytes(self.index_key_format, int(self.index_head_dim), raw_dtype_bytes)
+
+    def index_key_bytes_per_token(self, raw_dtype_bytes: int = 2) -> int:
+        """Index-key bytes per cached token over all MLA layers (each MLA layer has an indexer)."""
+        return len(self.mla_layers) * self.index_key_bytes_per_layer(raw_dtype_bytes)
 
     def kda_state_bytes(self, conv_dtype_bytes: int = 2, tp: int = 1) -> tuple[int, int]:
         """(recurrent, conv) bytes of one sequence's KDA state over all KDA layers."""
@@ -206,10 +239,87 @@ def parse_config(raw: dict) -> ModelConfig:
         return _parse_text(text, outer=raw, is_k3=is_k3, prefix=prefix, head_prefix=head_prefix)
     if arch == KIMI_LINEAR:
         return _parse_text(raw, outer=raw, is_k3=False, prefix="", head_prefix="")
+    if arch == DEEPSEEK_V32:
+        return _parse_deepseek_v32(raw)
     raise ConfigError(
         f"unsupported architecture '{arch}'; hyserve supports {KIMI_LINEAR}, "
-        "KimiK3ForCausalLM and KimiK3ForConditionalGeneration"
+        f"KimiK3ForCausalLM, KimiK3ForConditionalGeneration and {DEEPSEEK_V32}"
     )
+
+
+def _rope_params(c: dict) -> tuple[float, dict | None]:
+    """(theta, YaRN dict or None) from transformers-5 `rope_parameters` or the original
+    `rope_theta` + `rope_scaling` spelling."""
+    rp = dict(c.get("rope_parameters") or {})
+    theta = float(rp.pop("rope_theta", None) or c.get("rope_theta") or 10000.0)
+    scaling = rp or dict(c.get("rope_scaling") or {})
+    if "type" in scaling and "rope_type" not in scaling:
+        scaling["rope_type"] = scaling.pop("type")
+    if not scaling or scaling.get("rope_type", "default") == "default":
+        return theta, None
+    if scaling["rope_type"] != "yarn":
+        raise ConfigError(f"unsupported rope scaling '{scaling['rope_type']}' (DeepSeek V3.2 uses yarn)")
+    if "original_max_position_embeddings" not in scaling:
+        raise ConfigError("yarn rope scaling needs 'original_max_position_embeddings'")
+    return theta, scaling
+
+
+def _parse_deepseek_v32(c: dict) -> ModelConfig:
+    """DeepSeek V3.2 (spec §5.1): every layer MLA + DSA indexer; dense FFN on the first
+    `first_k_dense_replace` layers; sigmoid router with group-limited selection; YaRN RoPE."""
+    where = "top level"
+    n_layers = int(_need(c, "num_hidden_layers", where))
+    theta, scaling = _rope_params(c)
+    first_dense = int(c.get("first_k_dense_replace", 3) or 0)
+    if c.get("mlp_layer_types"):
+        mlp_types = _mlp_pattern(c, n_layers)
+    else:
+        mlp_types = ["dense" if i < first_dense else "moe" for i in range(n_layers)]
+    eos = _as_list(c.get("eos_token_id"))
+    mc = ModelConfig(
+        architecture=DEEPSEEK_V32,
+        vocab_size=int(_need(c, "vocab_size", where)),
+        hidden_size=int(_need(c, "hidden_size", where)),
+        num_hidden_layers=n_layers,
+        layer_types=["mla"] * n_layers,
+        mlp_types=mlp_types,
+        intermediate_size=int(c.get("intermediate_size") or 0),
+        rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        hidden_act=c.get("hidden_act", "silu"),
+        num_attention_heads=int(_need(c, "num_attention_heads", where)),
+        q_lora_rank=int(_need(c, "q_lora_rank", where)),
+        kv_lora_rank=int(_need(c, "kv_lora_rank", where)),
+        qk_nope_head_dim=int(c.get("qk_nope_head_dim", 128)),
+        qk_rope_head_dim=int(c.get("qk_rope_head_dim", 64)),
+        v_head_dim=int(c.get("v_head_dim", 128)),
+        num_experts=int(c.get("n_routed_experts") or c.get("num_local_experts") or 0),
+        num_experts_per_tok=int(c.get("num_experts_per_tok") or 0),
+        num_shared_experts=int(c.get("n_shared_experts") or 0),
+        moe_intermediate_size=int(c.get("moe_intermediate_size") or 0),
+        routed_scaling_factor=float(c.get("routed_scaling_factor", 1.0)),
+        moe_renormalize=bool(c.get("norm_topk_prob", True)),
+        num_expert_group=int(c.get("n_group") or 1),
+        topk_group=int(c.get("topk_group") or 1),
+        # transformers' DeepseekV32Config defaults, which its save_pretrained always writes out
+        index_n_heads=int(c.get("index_n_heads", 64)),
+        index_head_dim=int(c.get("index_head_dim", 128)),
+        index_topk=int(c.get("index_topk", 2048)),
+        index_key_format=c.get("index_key_format", "fp8"),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        weight_block_size=(c.get("quantization_config") or {}).get("weight_block_size"),
+        bos_token_id=c.get("bos_token_id"),
+        eos_token_ids=[int(e) for e in eos],
+        pad_token_id=c.get("pad_token_id"),
+        max_position_embeddings=int(c.get("max_position_embeddings") or 163840),
+        dtype=str(c.get("dtype") or c.get("torch_dtype") or "bfloat16"),
+    )
+    if c.get("tie_word_embeddings"):
+        raise ConfigError("tied word embeddings are not supported for DeepSeek V3.2")
+    if mc.qk_rope_head_dim > mc.index_head_dim:
+        raise ConfigError("qk_rope_head_dim exceeds index_head_dim: the indexer rotates its first rope dims")
+    _validate(mc)
+    return mc
 
 
 def _parse_text(c: dict, *, outer: dict, is_k3: bool, prefix: str, head_prefix: str) -> ModelConfig:
@@ -289,10 +399,21 @@ def _validate(mc: ModelConfig) -> None:
         for key in ("index_head_dim", "index_topk"):
             if getattr(mc, key) is None:
                 raise ConfigError(f"index_n_heads is set but '{key}' is missing")
-        if mc.index_key_format not in ("fp8", "mxfp4"):
-            raise ConfigError(f"index_key_format must be fp8 or mxfp4, got '{mc.index_key_format}'")
+        if mc.index_key_format not in KEY_FORMATS:
+            raise ConfigError(f"index_key_format must be one of {KEY_FORMATS}, got '{mc.index_key_format}'")
+        if not mc.q_lora_rank:
+            raise ConfigError("a DSA indexer needs q_lora_rank (the index query reads the MLA query latent)")
+        if mc.index_key_format == "mxfp4" and mc.index_head_dim % 32:
+            raise ConfigError(f"MXFP4 index keys need index_head_dim divisible by 32, got {mc.index_head_dim}")
     if mc.kda_num_heads * mc.kda_head_dim == 0:
         raise ConfigError("KDA heads and head_dim must be positive")
+
+
+def with_changes(mc: ModelConfig, **changes: Any) -> ModelConfig:
+    """A re-validated copy of `mc` with some fields replaced (e.g. a cache-format override)."""
+    out = replace(mc, **changes)
+    _validate(out)
+    return out
 
 
 def load_config(path: str) -> tuple[ModelConfig, dict]:

@@ -99,6 +99,10 @@ class KimiForCausalLM(nn.Module):
         cfg, dev = self.config, self.device
         dtype = dtype or self.dtype
         p = cfg.kda_proj_dim
+        index_keys = None
+        if cfg.has_indexer:
+            width = cfg.index_key_bytes_per_layer(raw_dtype_bytes=torch.finfo(dtype).bits // 8)
+            index_keys = torch.zeros(num_blocks, len(cfg.mla_layers), block_size, width, dtype=torch.uint8, device=dev)
         return CacheTensors(
             pages=torch.zeros(num_blocks, len(cfg.mla_layers), block_size, cfg.kv_row_width, dtype=dtype, device=dev),
             conv=torch.zeros(num_slots, len(cfg.kda_layers), 3 * p, cfg.conv_kernel_size - 1, dtype=dtype, device=dev),
@@ -106,6 +110,7 @@ class KimiForCausalLM(nn.Module):
                 num_slots, len(cfg.kda_layers), cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim,
                 dtype=torch.float32, device=dev,
             ),
+            index_keys=index_keys,
         )
 
     @torch.inference_mode()

@@ -12,7 +12,8 @@ from collections import defaultdict
 import torch
 from safetensors import safe_open
 
-from hyserve.models.config import ConfigError, ModelConfig, load_config, parse_config
+from hyserve.models.config import ModelConfig, load_config, parse_config, with_changes
+from hyserve.models.deepseek_v32 import DeepseekV32ForCausalLM
 from hyserve.models.kimi import KimiForCausalLM
 from hyserve.models.presets import PRESETS, preset_config
 
@@ -21,7 +22,8 @@ log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "fp32": torch.float32, "bf16": torch.bfloat16, "auto": None}
 # parameters held in fp32 whatever the model dtype (spec §1.3)
-_FP32_PARAMS = ("A_log", "dt_bias", "conv_weight", "o_norm_weight", "e_score_correction_bias", "gate.weight")
+_FP32_PARAMS = ("A_log", "dt_bias", "conv_weight", "o_norm_weight", "e_score_correction_bias", "gate.weight",
+                 "weights_proj.weight")
 _E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
 
@@ -42,7 +44,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, cfg: ModelConfig) -> torch.dt
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> KimiForCausalLM:
     """Allocate the model on `device` without initialising memory (meta first, then to_empty)."""
     with torch.device("meta"):
-        model = KimiForCausalLM(cfg)
+        model = DeepseekV32ForCausalLM(cfg) if cfg.is_deepseek_v32 else KimiForCausalLM(cfg)
     model = model.to_empty(device=device)
     for name, p in model.named_parameters():
         p.data = p.data.to(torch.float32 if name.endswith(_FP32_PARAMS) else dtype)
@@ -55,6 +57,8 @@ def random_init(model: KimiForCausalLM, seed: int = 0, std: float = 0.02) -> Non
     for name, p in model.named_parameters():
         if name.endswith(("norm.weight", "o_norm_weight", "res.norm", "attn_res.norm")) or "layernorm" in name:
             p.data.fill_(1.0)
+        elif name.endswith("norm.bias"):  # the indexer's k_norm LayerNorm
+            p.data.zero_()
         elif name.endswith("A_log"):
             p.data.copy_(torch.log(torch.empty(p.shape).uniform_(1, 16, generator=gen)))
         elif name.endswith("dt_bias"):
@@ -72,11 +76,16 @@ def random_init(model: KimiForCausalLM, seed: int = 0, std: float = 0.02) -> Non
 
 
 def load_model(
-    name_or_path: str, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu", seed: int = 0
+    name_or_path: str, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu", seed: int = 0,
+    index_key_format: str | None = None,
 ) -> KimiForCausalLM:
-    """A preset name (random weights) or an HF-format directory (config.json + safetensors)."""
+    """A preset name (random weights) or an HF-format directory (config.json + safetensors).
+
+    `index_key_format` overrides how DSA index keys are cached: "fp8" (default), "mxfp4", or "raw"
+    (unquantised, the exact R0 reference of spec §4.6).
+    """
     if name_or_path in PRESETS:
-        cfg = parse_config(preset_config(name_or_path))
+        cfg = _with_index_format(parse_config(preset_config(name_or_path)), index_key_format)
         model = build_model(cfg, resolve_dtype(dtype, cfg), device)
         random_init(model, seed)
         model.name_or_path = name_or_path
@@ -85,16 +94,15 @@ def load_model(
         raise CheckpointError(
             f"'{name_or_path}' is neither a preset ({', '.join(sorted(PRESETS))}) nor a model directory"
         )
-    cfg, _ = load_config(name_or_path)
-    if cfg.has_indexer:
-        raise ConfigError(
-            "this checkpoint has a DSA indexer (K3.1: index_n_heads is set); hyserve does not serve "
-            "sparse attention yet"
-        )
+    cfg = _with_index_format(load_config(name_or_path)[0], index_key_format)
     model = build_model(cfg, resolve_dtype(dtype, cfg), device)
     load_weights(model, name_or_path)
     model.name_or_path = name_or_path
     return model
+
+
+def _with_index_format(cfg: ModelConfig, fmt: str | None) -> ModelConfig:
+    return cfg if fmt is None or not cfg.has_indexer else with_changes(cfg, index_key_format=fmt)
 
 
 # ---- checkpoint reading ----------------------------------------------------------------------------
@@ -253,6 +261,8 @@ class _Assembler:
 
 def load_weights(model: KimiForCausalLM, path: str) -> None:
     asm = _Assembler(model)
-    for key, t in iter_checkpoint(path):
+    tensors = iter_checkpoint(path)
+    transform = getattr(model, "transform_checkpoint", None)  # architecture-specific (DeepSeek V3.2 FP8, rope)
+    for key, t in transform(tensors) if transform else tensors:
         asm.add(key, t)
     asm.finish()

@@ -119,6 +119,8 @@ _K3_MINI = _k3(
     block=4, full_attn=[4, 8], max_len=1048576, bos=163584, eos=163586, pad=163839,
 )
 _K3_1_MINI = dict(_K3_MINI, index_n_heads=32, index_head_dim=128, index_topk=2048)
+# k3-tiny + a small indexer; top-8 makes the selection really sparse on prompts of a few dozen tokens
+_K3_1_TINY = dict(_K3_TINY, index_n_heads=4, index_head_dim=16, index_topk=8)
 
 _KIMI_LINEAR_TINY = dict(
     copy.deepcopy(_KIMI_LINEAR_48B),
@@ -130,12 +132,14 @@ _KIMI_LINEAR_TINY = dict(
                         "kda_layers": [1, 2, 3], "full_attn_layers": [4]},
 )
 _K3_TINY["dtype"] = "float32"
+_K3_1_TINY["dtype"] = "float32"
 
 PRESETS: dict[str, dict] = {
     "k3-tiny": _K3_TINY,
     "kimi-linear-tiny": _KIMI_LINEAR_TINY,
     "kimi-linear-48b-a3b": _KIMI_LINEAR_48B,
     "k3-mini": _K3_MINI,
+    "k3.1-tiny": _K3_1_TINY,
     "k3.1-mini": _K3_1_MINI,
 }
 

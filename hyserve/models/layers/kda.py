@@ -13,6 +13,7 @@ from hyserve.models.batch import Batch, CacheTensors
 from hyserve.models.config import ModelConfig
 from hyserve.models.layers.norm import gated_rms_norm, l2_normalize
 from hyserve.ops import kda as kda_ops
+from hyserve.ops.dispatch import fast_path, has_fla
 
 
 def _linear(i: int, o: int) -> nn.Linear:
@@ -46,6 +47,10 @@ class KimiDeltaAttention(nn.Module):
         return self.g_b_proj(self.g_a_proj(x))
 
     def forward(self, x: torch.Tensor, batch: Batch, cache: CacheTensors) -> torch.Tensor:
+        if fast_path(x) and (batch.decode_only or has_fla()):
+            from hyserve.models.layers.kda_fast import kda_forward_fast
+
+            return kda_forward_fast(self, x, batch, cache)
         t, h, k = x.shape[0], self.num_heads, self.head_dim
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)  # pre-conv, model dtype
         g = kda_ops.kda_gate(self.f_b_proj(self.f_a_proj(x)).view(t, h, k), self.A_log, self.dt_bias, self.lower_bound)

@@ -1,4 +1,5 @@
-"""MLA without position encoding (Kimi Linear, spec §2.5) and K3's gated MLA with q-LoRA (§3.4)."""
+"""MLA without position encoding (Kimi Linear, spec §2.5), K3's gated MLA with q-LoRA (§3.4), and with
+a DSA indexer (K3.1 §4, DeepSeek V3.2 §5, which also rotates the rope slice) sparse absorbed MLA."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from torch import nn
 
 from hyserve.models.batch import Batch, CacheTensors
 from hyserve.models.config import ModelConfig
+from hyserve.models.layers.dsa import Indexer, sparse_mla, token_block_tables
 from hyserve.models.layers.norm import RMSNorm
+from hyserve.models.layers.rope import Rotary
 from hyserve.ops import mla_attention as mla_ops
 
 # q_a_layernorm / kv_a_layernorm use the class default eps, not rms_norm_eps (spec §1.4).
@@ -24,7 +27,7 @@ class MLAttention(nn.Module):
         d, h = cfg.hidden_size, cfg.num_attention_heads
         self.mla_index, self.num_heads = mla_index, h
         self.dn, self.dr, self.dv, self.rank = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-        self.scale = cfg.qk_head_dim**-0.5
+        self.scale = cfg.attn_softmax_scale
         if cfg.q_lora_rank:
             self.q_a_proj = _linear(d, cfg.q_lora_rank)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, _LATENT_NORM_EPS)
@@ -37,12 +40,16 @@ class MLAttention(nn.Module):
         if cfg.mla_output_gate:
             self.g_proj = _linear(d, h * self.dv)
         self.o_proj = _linear(h * self.dv, d)
+        self.rotary = (
+            Rotary(self.dr, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings) if cfg.use_rope else None
+        )
+        self.indexer = Indexer(cfg, mla_index) if cfg.has_indexer else None
 
-    def query(self, x: torch.Tensor) -> torch.Tensor:
+    def query(self, x: torch.Tensor, q_lat: torch.Tensor | None = None) -> torch.Tensor:
         if hasattr(self, "q_proj"):
             q = self.q_proj(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)) if q_lat is None else q_lat)
         return q.view(x.shape[0], self.num_heads, self.dn + self.dr)
 
     def cache_rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -51,10 +58,24 @@ class MLAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: Batch, cache: CacheTensors) -> torch.Tensor:
         t = x.shape[0]
-        q = self.query(x)
+        # the indexer reads the MLA query latent, so compute it once
+        q_lat = self.q_a_layernorm(self.q_a_proj(x)) if self.indexer is not None else None
+        q = self.query(x, q_lat)
         q_nope, q_rope = q[..., : self.dn], q[..., self.dn :]
+        rows, cos_sin = self.cache_rows(x), None
+        if self.rotary is not None:  # the rope slices of q and of the shared key, cached rotated
+            cos_sin = self.rotary.cos_sin(batch.positions)
+            q_rope = Rotary.apply(q_rope, *cos_sin)
+            rows = torch.cat([rows[:, : self.rank], Rotary.apply(rows[:, self.rank :], *cos_sin)], -1)
         pages, layer, bs = cache.pages, self.mla_index, cache.block_size
-        pages[batch.slot_mapping // bs, layer, batch.slot_mapping % bs] = self.cache_rows(x).to(pages.dtype)
+        pages[batch.slot_mapping // bs, layer, batch.slot_mapping % bs] = rows.to(pages.dtype)
+        if self.indexer is not None:
+            selected = self.indexer(x, q_lat, batch, cache, cos_sin)
+            o = sparse_mla(
+                q_nope, q_rope, pages, layer, token_block_tables(batch), selected,
+                self.kv_b_proj.weight, self.rank, self.dv, self.scale,
+            )
+            return self.project_out(o, x)
 
         o = torch.empty(t, self.num_heads, self.dv, dtype=torch.float32, device=x.device)
         qlens, ctx = batch.query_lens, batch.context_lens
@@ -75,7 +96,10 @@ class MLAttention(nn.Module):
                 o[sl] = mla_ops.mla_expanded(
                     q_nope[sl], q_rope[sl], rows, self.kv_b_proj.weight, self.rank, self.dv, self.scale, ctx[i] - n
                 )
-        out = o.to(x.dtype).reshape(t, self.num_heads * self.dv)
+        return self.project_out(o, x)
+
+    def project_out(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        out = o.to(x.dtype).reshape(x.shape[0], self.num_heads * self.dv)
         if hasattr(self, "g_proj"):
             out = out * torch.sigmoid(self.g_proj(x))
         return self.o_proj(out)

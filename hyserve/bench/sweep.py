@@ -1,0 +1,40 @@
+"""`hyserve bench sweep`: the agentic replay at several concurrencies, then the plots."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from hyserve.bench.metrics import jsonable
+from hyserve.bench.plots import plot_latency, plot_pareto
+from hyserve.bench.replay import ReplayConfig, format_replay_summary, run_replay
+
+
+async def run_sweep(base: ReplayConfig, concurrencies: Sequence[int], out_dir: str | Path) -> list[dict]:
+    """One replay per concurrency (sequentially, so runs do not disturb each other)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for c in concurrencies:
+        result = await run_replay(dataclasses.replace(base, concurrency=int(c)))
+        (out / f"replay_c{c}.json").write_text(json.dumps(jsonable(result), indent=2))
+        print(format_replay_summary(result), flush=True)
+        results.append(result)
+    write_sweep_outputs(results, out)
+    return results
+
+
+def write_sweep_outputs(results: list[dict], out_dir: str | Path) -> dict[str, Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = out / "sweep.json"
+    summary.write_text(
+        json.dumps(jsonable([{k: v for k, v in r.items() if k != "requests"} for r in results]), indent=2)
+    )
+    return {
+        "summary": summary,
+        "pareto": plot_pareto(results, out / "pareto.png"),
+        "latency": plot_latency(results, out / "latency.png"),
+    }

@@ -1,0 +1,114 @@
+"""DSA indexer (K3.1 spec/models.md §4; DeepSeek V3.2 §5.3) and the sparse MLA it drives (§4.5).
+
+Per MLA layer the indexer projects a small multi-head query from the MLA query latent and one key per
+token from the layer input, stores each new token's key in the cache beside the MLA latent, and picks
+for every query row the top-k earlier positions by index score. K3.1 has no rotary; V3.2 rotates the
+first `qk_rope_head_dim` dims (half-split) and, on its FP8 path, applies a Walsh-Hadamard transform and
+power-of-two (ue8m0) scales before quantising.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hyserve.models.batch import Batch, CacheTensors
+from hyserve.models.config import ModelConfig
+from hyserve.models.layers.rope import Rotary
+from hyserve.ops import dsa_indexer as dsa
+from hyserve.ops.sparse_mla import sparse_mla
+
+_K_NORM_EPS = 1e-6
+
+
+class IndexKeyNorm(nn.Module):
+    """LayerNorm with weight and bias; statistics in fp32, output in the input dtype (spec §1.4)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.layer_norm(x.float(), (x.shape[-1],), self.weight.float(), self.bias.float(), _K_NORM_EPS)
+        return y.to(x.dtype)
+
+
+class Indexer(nn.Module):
+    def __init__(self, cfg: ModelConfig, mla_index: int):
+        super().__init__()
+        d, self.n_heads, self.head_dim = cfg.hidden_size, int(cfg.index_n_heads), int(cfg.index_head_dim)
+        self.mla_index, self.topk, self.fmt = mla_index, int(cfg.index_topk), cfg.index_key_format
+        self.wq_b = nn.Linear(int(cfg.q_lora_rank), self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(d, self.head_dim, bias=False)
+        self.k_norm = IndexKeyNorm(self.head_dim)
+        self.weights_proj = nn.Linear(d, self.n_heads, bias=False)  # held and applied in fp32
+        self.rope_dim = cfg.qk_rope_head_dim if cfg.use_rope else 0
+        # DeepSeek's deployed FP8 numerics (spec §5.3); K3.1 uses plain fp32 scales and no rotation
+        self.ue8m0 = cfg.is_deepseek_v32
+        self.hadamard = cfg.is_deepseek_v32 and self.fmt == "fp8"
+
+    def project(
+        self, x: torch.Tensor, q_lat: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(qI [T, H, D], kI [T, D] in the model dtype, w [T, H] fp32 including H^-1/2)."""
+        t = x.shape[0]
+        q = self.wq_b(q_lat).view(t, self.n_heads, self.head_dim)
+        k = self.k_norm(self.wk(x))
+        if self.rope_dim:  # rope dims come FIRST in the indexer (opposite of MLA)
+            r = self.rope_dim
+            cos, sin = cos_sin
+            q = torch.cat([Rotary.apply(q[..., :r], cos, sin), q[..., r:]], -1)
+            k = torch.cat([Rotary.apply(k[..., :r], cos, sin), k[..., r:]], -1)
+        w = F.linear(x.float(), self.weights_proj.weight.float()) * self.n_heads**-0.5
+        return q, k, w
+
+    def forward(
+        self, x: torch.Tensor, q_lat: torch.Tensor, batch: Batch, cache: CacheTensors,
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Write the step's index keys; return the selected positions [T, k] (long, -1 = none)."""
+        q, k, w = self.project(x, q_lat, cos_sin)
+        if self.hadamard:
+            q, k = dsa.hadamard(q).to(q.dtype), dsa.hadamard(k).to(k.dtype)
+        keys, layer, bs = cache.index_keys, self.mla_index, cache.block_size
+        rec = dsa.encode_keys(k, self.fmt, self.ue8m0)
+        if rec.shape[-1] != keys.shape[-1]:
+            raise ValueError(f"index key records are {rec.shape[-1]} bytes but the cache rows hold {keys.shape[-1]}")
+        keys[batch.slot_mapping // bs, layer, batch.slot_mapping % bs] = rec
+
+        width = min(self.topk, max(batch.context_lens))
+        out = torch.full((x.shape[0], width), -1, dtype=torch.long, device=x.device)
+        cu = batch.cu_seqlens.tolist()
+        for i, (n, ctx) in enumerate(zip(batch.query_lens, batch.context_lens)):
+            sl = slice(cu[i], cu[i + 1])
+            qpos = batch.positions[sl]
+            if ctx <= self.topk:
+                # every causal position is selected: skip scoring (the keys above are still written)
+                sel = torch.arange(ctx, device=x.device).expand(n, ctx)
+                out[sl, :ctx] = torch.where(sel > qpos[:, None], -1, sel)
+                continue
+            pos = torch.arange(ctx, device=x.device)
+            stored = keys[batch.block_tables[i, pos // bs], layer, pos % bs]
+            out[sl] = dsa.topk_causal(self.scores(q[sl], w[sl], stored, k.dtype), qpos, self.topk)
+        return out
+
+    def scores(self, q: torch.Tensor, w: torch.Tensor, stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """I[t, s] for one sequence's query rows against its stored key records (R0 for "raw", else R1)."""
+        if self.fmt == "raw":
+            return dsa.index_scores_r0(q, w, stored.contiguous().view(dtype))
+        q8, w_folded = dsa.quantize_queries(q, w, self.ue8m0)
+        if self.fmt == "fp8":
+            k8, k_scale = dsa.split_fp8_keys(stored)
+            return dsa.index_scores_q(q8, w_folded, k8, k_scale)
+        return dsa.index_scores_q(q8, w_folded, dsa.dequantize_mxfp4_keys(stored), None)
+
+
+def token_block_tables(batch: Batch) -> torch.Tensor:
+    """Each token's sequence's block table [T, B]."""
+    q = torch.tensor(batch.query_lens, device=batch.block_tables.device)
+    return batch.block_tables.repeat_interleave(q, 0)
+
+
+__all__ = ["Indexer", "IndexKeyNorm", "sparse_mla", "token_block_tables"]

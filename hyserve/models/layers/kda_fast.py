@@ -1,0 +1,87 @@
+"""The GPU path of the KDA layer (DESIGN.md §6): one merged input GEMM, the fused Triton decode kernel
+for one-token sequences, and fla `chunk_kda` over all prefill sequences of the step in one varlen call.
+Same function as `KimiDeltaAttention.forward` (the reference), up to bf16 rounding."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hyserve.models.batch import Batch, CacheTensors
+from hyserve.models.layers.norm import gated_rms_norm
+from hyserve.ops.kda_decode import kda_decode
+from hyserve.ops.kda_prefill import causal_conv_varlen, chunk_kda_varlen
+
+
+def merged_in_proj(layer) -> tuple[torch.Tensor, list[int]]:
+    """q|k|v|f_a|g_a (or g)|b weights stacked: one GEMM reads x once and, at batch 1, streams 3P+2K+H rows
+    in one launch instead of six small ones. Built once per weight storage (a reload rebuilds it)."""
+    gate_w = layer.g_proj.weight if hasattr(layer, "g_proj") else layer.g_a_proj.weight
+    parts = [layer.q_proj.weight, layer.k_proj.weight, layer.v_proj.weight, layer.f_a_proj.weight, gate_w,
+             layer.b_proj.weight]
+    key = tuple(w.data_ptr() for w in parts)
+    cached = getattr(layer, "_merged_in", None)
+    if cached is None or cached[0] != key:
+        cached = (key, torch.cat([w.detach() for w in parts]), [w.shape[0] for w in parts])
+        layer._merged_in = cached
+    return cached[1], cached[2]
+
+
+def _token_index(cu: list[int], seqs: list[int], device: torch.device) -> torch.Tensor:
+    return torch.cat([torch.arange(cu[i], cu[i + 1]) for i in seqs]).to(device, non_blocking=True)
+
+
+def kda_forward_fast(layer, x: torch.Tensor, batch: Batch, cache: CacheTensors) -> torch.Tensor:
+    t, h, k = x.shape[0], layer.num_heads, layer.head_dim
+    p, scale = h * k, layer.head_dim**-0.5
+    w_in, split = merged_in_proj(layer)
+    qkv, fa, ga, b = F.linear(x, w_in).split([3 * p, split[3], split[4], split[5]], -1)
+    f = layer.f_b_proj(fa)
+    gate = ga if hasattr(layer, "g_proj") else layer.g_b_proj(ga)
+    conv_pool = cache.conv[:, layer.kda_index]
+    rec_pool = cache.recurrent[:, layer.kda_index]
+    args = (layer.conv_weight, conv_pool, rec_pool, layer.A_log, layer.dt_bias, layer.o_norm_weight)
+    qlens = batch.query_lens
+    if batch.decode_only:
+        out = kda_decode(qkv, f, b, gate, *args, batch.state_slots, batch.fresh_state, scale, layer.eps,
+                         layer.lower_bound)
+        return layer.o_proj(out)
+
+    out = torch.empty(t, p, dtype=x.dtype, device=x.device)
+    dec = [i for i, n in enumerate(qlens) if n == 1]
+    pre = [i for i, n in enumerate(qlens) if n > 1]
+    cu_host = [0]
+    for n in qlens:
+        cu_host.append(cu_host[-1] + n)
+    if dec:
+        idx = torch.tensor(dec, device=x.device)
+        tok = batch.cu_seqlens[idx]
+        out[tok] = kda_decode(qkv[tok], f[tok], b[tok], gate[tok], *args, batch.state_slots[idx],
+                              batch.fresh_state[idx], scale, layer.eps, layer.lower_bound)
+
+    pidx = torch.tensor(pre, device=x.device)
+    tok = None if not dec else _token_index(cu_host, pre, x.device)
+
+    def rows(y: torch.Tensor) -> torch.Tensor:
+        return y if tok is None else y[tok]
+
+    cu_cpu = torch.tensor([0] + [qlens[i] for i in pre], dtype=torch.long).cumsum(0)
+    cu_p = cu_cpu.to(x.device, non_blocking=True)
+    tp = int(cu_cpu[-1])
+    slots, fresh = batch.state_slots[pidx], batch.fresh_state[pidx]
+    tails = conv_pool[slots].masked_fill(fresh[:, None, None], 0)
+    init = rec_pool[slots].masked_fill(fresh[:, None, None, None], 0)  # masked_fill: fresh slots may hold NaN
+    y, new_tails = causal_conv_varlen(rows(qkv), layer.conv_weight, cu_p, tails)
+    q, kk, v = (z.contiguous() for z in y.view(tp, 3, h, k).unbind(1))
+    o, final = chunk_kda_varlen(
+        q, kk, v, rows(f).view(tp, h, k), rows(b).contiguous(), layer.A_log, layer.dt_bias, layer.lower_bound,
+        scale, init, cu_p, cu_cpu,
+    )
+    conv_pool[slots] = new_tails.to(conv_pool.dtype)
+    rec_pool[slots] = final
+    o = gated_rms_norm(o, rows(gate).view(tp, h, k), layer.o_norm_weight, layer.eps).reshape(tp, p)
+    if tok is None:
+        out = o.to(x.dtype)
+    else:
+        out[tok] = o.to(x.dtype)
+    return layer.o_proj(out)
