@@ -19,7 +19,7 @@ from hyserve.models.layers.activation import situ_glu
 from hyserve.models.layers.attn_res import AttnRes
 from hyserve.models.layers.mla import MLAttention
 from hyserve.models.layers.moe import MoE
-from hyserve.models.loader import build_model, random_init
+from hyserve.models.loader import CheckpointError, build_model, random_init
 from hyserve.models.presets import preset_config
 from hyserve.ops import kda as kda_ops
 from hyserve.ops import moe as moe_ops
@@ -306,10 +306,12 @@ def test_missing_layer_lists_are_an_error_not_a_default_pattern():
         parse_config(raw)
 
 
-def test_k3_1_directory_refuses_to_load_naming_the_indexer(tmp_path):
+def test_k3_1_directory_without_indexer_weights_fails_naming_the_indexer(tmp_path):
+    # K3.1 directories load (sparse attention is served); a K3 checkpoint relabelled K3.1 lacks the
+    # indexer tensors, and the error says which
     raw = json.loads((K3_PUBLIC / "config.json").read_text())
     raw["text_config"].update(index_n_heads=4, index_head_dim=16, index_topk=8)
     (tmp_path / "config.json").write_text(json.dumps(raw))
     shutil.copy(K3_PUBLIC / "model.safetensors", tmp_path / "model.safetensors")
-    with pytest.raises(ConfigError, match="index_n_heads"):
+    with pytest.raises(CheckpointError, match=r"missing tensors.*self_attn\.indexer\."):
         load_model(str(tmp_path), dtype="float32")

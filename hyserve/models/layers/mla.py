@@ -12,6 +12,7 @@ from hyserve.models.layers.dsa import Indexer, sparse_mla, token_block_tables
 from hyserve.models.layers.norm import RMSNorm
 from hyserve.models.layers.rope import Rotary
 from hyserve.ops import mla_attention as mla_ops
+from hyserve.ops.dispatch import fast_path
 
 # q_a_layernorm / kv_a_layernorm use the class default eps, not rms_norm_eps (spec §1.4).
 _LATENT_NORM_EPS = 1e-6
@@ -76,6 +77,8 @@ class MLAttention(nn.Module):
                 self.kv_b_proj.weight, self.rank, self.dv, self.scale,
             )
             return self.project_out(o, x)
+        if fast_path(x):
+            return self.project_out(self._attend_fast(q_nope, q_rope, batch, cache), x)
 
         o = torch.empty(t, self.num_heads, self.dv, dtype=torch.float32, device=x.device)
         qlens, ctx = batch.query_lens, batch.context_lens
@@ -97,6 +100,36 @@ class MLAttention(nn.Module):
                     q_nope[sl], q_rope[sl], rows, self.kv_b_proj.weight, self.rank, self.dv, self.scale, ctx[i] - n
                 )
         return self.project_out(o, x)
+
+    def _attend_fast(self, q_nope, q_rope, batch: Batch, cache: CacheTensors) -> torch.Tensor:
+        """Triton absorbed decode for one-token sequences, flash SDPA on expanded K/V for the rest."""
+        from hyserve.ops.mla_decode import mla_absorbed_decode_fast, mla_prefill_fast
+
+        t, dev = q_nope.shape[0], q_nope.device
+        qlens, ctx = batch.query_lens, batch.context_lens
+        o = torch.empty(t, self.num_heads, self.dv, dtype=q_nope.dtype, device=dev)
+        dec = [i for i, n in enumerate(qlens) if n == 1]
+        pre = [i for i, n in enumerate(qlens) if n > 1]
+        w = self.kv_b_proj.weight
+        if dec:
+            every = len(dec) == len(qlens)
+            idx = None if every else torch.tensor(dec, device=dev)
+            tok = slice(None) if every else batch.cu_seqlens[idx]
+            bt = batch.block_tables if every else batch.block_tables[idx]
+            ctx_d = [ctx[i] for i in dec]
+            o[tok] = mla_absorbed_decode_fast(
+                q_nope[tok], q_rope[tok], cache.pages, self.mla_index, bt, torch.tensor(ctx_d, device=dev),
+                max(ctx_d), w, self.rank, self.dv, self.scale,
+            )
+        if pre:
+            cu = batch.cu_seqlens.tolist()
+            tok = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in pre]).to(dev) if dec else slice(None)
+            bt = batch.block_tables[torch.tensor(pre, device=dev)] if dec else batch.block_tables
+            o[tok] = mla_prefill_fast(
+                q_nope[tok], q_rope[tok], cache.pages, self.mla_index, bt, [qlens[i] for i in pre],
+                [ctx[i] for i in pre], w, self.rank, self.dv, self.scale,
+            )
+        return o
 
     def project_out(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         out = o.to(x.dtype).reshape(x.shape[0], self.num_heads * self.dv)

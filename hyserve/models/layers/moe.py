@@ -9,6 +9,8 @@ from hyserve.models.config import ModelConfig
 from hyserve.models.layers.activation import GLU
 from hyserve.models.layers.norm import RMSNorm
 from hyserve.ops import moe as moe_ops
+from hyserve.ops.dispatch import fast_path
+from hyserve.ops.moe_grouped import experts_forward_grouped, grouped_mm_available
 
 
 def _linear(i: int, o: int) -> nn.Linear:
@@ -67,7 +69,10 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, w = self.gate(x)
         xe = self.routed_expert_down_proj(x) if self.latent else x
-        y = moe_ops.experts_forward(xe, ids, w, self.w13, self.w2, self.act)
+        if fast_path(xe) and grouped_mm_available(xe, self.w13):
+            y = experts_forward_grouped(xe, ids, w, self.w13, self.w2, self.act)
+        else:
+            y = moe_ops.experts_forward(xe, ids, w, self.w13, self.w2, self.act)
         if self.latent:
             if self.routed_expert_norm is not None:
                 y = self.routed_expert_norm(y)

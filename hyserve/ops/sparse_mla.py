@@ -1,0 +1,36 @@
+"""Sparse absorbed MLA over the paged latent cache (spec/models.md §4.5), torch reference.
+
+Every query row attends only to the cache rows its index list names: MQA with a 576-dim query
+[q_lat | q_r] against the gathered 576-dim rows, the value being the rows' first R dims. Prefill and
+decode share this one form (as FlashMLA's sparse kernels do). Index lists hold request-local positions
+padded with -1; with every causal position listed it equals dense causal attention.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def sparse_mla(
+    q_nope: torch.Tensor, q_rope: torch.Tensor, pages: torch.Tensor, layer: int, block_tables: torch.Tensor,
+    indices: torch.Tensor, kv_b: torch.Tensor, kv_lora_rank: int, v_head_dim: int, scale: float,
+) -> torch.Tensor:
+    """q_* [T, H, d]; block_tables [T, B] (each token's sequence's table); indices [T, k] long (-1 = none).
+
+    Returns o [T, H, v_head_dim] in fp32. Logits, softmax and accumulation are fp32.
+    """
+    t, h, dn = q_nope.shape
+    bs = pages.shape[2]
+    w = kv_b.float().view(h, dn + v_head_dim, kv_lora_rank)
+    w_uk, w_uv = w[:, :dn], w[:, dn:]
+    q_lat = torch.einsum("thd,hdr->thr", q_nope.float(), w_uk)
+    q_full = torch.cat([q_lat, q_rope.float()], -1)  # [T, H, R + d_r]
+    valid = indices >= 0
+    pos = indices.clamp_min(0)
+    blocks = block_tables.gather(1, pos // bs)
+    rows = pages[blocks, layer, pos % bs].float()  # [T, k, R + d_r]
+    scores = torch.einsum("thr,tkr->thk", q_full, rows) * scale
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    p = torch.softmax(scores, -1)
+    o_lat = torch.einsum("thk,tkr->thr", p, rows[..., :kv_lora_rank])
+    return torch.einsum("thr,hvr->thv", o_lat, w_uv)
