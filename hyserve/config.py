@@ -5,6 +5,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+# The model `hyserve serve` / `generate` / `LLM()` run when none is named: the trained embedded checkpoint
+# shipped in hyserve/assets (python -m hyserve.train), else the random k3-tiny preset while none is shipped.
+# Presets stay available by name either way.
+EMBEDDED_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "hyserve-tiny-k3")
+DEFAULT_MODEL = EMBEDDED_MODEL_DIR if os.path.isfile(os.path.join(EMBEDDED_MODEL_DIR, "config.json")) else "k3-tiny"
+
 
 def _env_int(name: str, default: int | None) -> int | None:
     v = os.environ.get(name)
@@ -13,7 +19,7 @@ def _env_int(name: str, default: int | None) -> int | None:
 
 @dataclass
 class EngineConfig:
-    model: str = "k3-tiny"
+    model: str = DEFAULT_MODEL
     dtype: str = "auto"
     device: str | None = None  # None: cuda when available, else cpu
     seed: int = 0

@@ -1,0 +1,256 @@
+"""Structured outputs: constraint specs (plain data) and their xgrammar matchers (serving.md §3).
+
+The server builds a `StructuredSpec` — picklable data — and puts it in `SamplingParams.structured`. The
+engine process compiles it (`compile_spec`) into an object whose `new_matcher()` gives one matcher per
+completion, with the `allowed_mask(vocab_size)` / `accept(token_id)` interface `LLMEngine` calls.
+
+Special tokens. Markers such as `<|open|>` must be written as their special ids, never as the bytes that
+spell them (spec §1a), because the output parsers work on ids. xgrammar matches text, so the markers get
+their text in its vocabulary and every other special id gets empty text, which xgrammar never allows.
+Wherever a marker is allowed, ordinary tokens that would start spelling it byte by byte are masked out;
+and grammars list the markers as `excludes`, so no marker text can appear inside constrained strings.
+
+Reasoning. For a chat prompt that opens a think channel the constraint starts only after the newest
+think channel closes (`reasoning="k3"` / `"k2"`); until then every token is allowed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+# The specials a grammar may write (K3 XTML markers).
+MARKER_TOKENS = ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>")
+
+
+@dataclass
+class StructuredSpec:
+    """What to constrain, as data. `kind`: json (value = schema dict, None = any object), regex,
+    choice (list of strings), grammar (EBNF text) or tool_call (value = {"tools": [{name, parameters}],
+    "parallel": bool}). `wrapper="k3"` adds the XTML response channel around json/regex/choice/grammar
+    output; `open_response` says whether the grammar itself must write `<|open|>response<|sep|>` (it
+    must when the prompt opened `think` instead)."""
+
+    kind: str
+    value: Any = None
+    wrapper: str | None = None
+    open_response: bool = False
+    reasoning: str | None = None
+    end_token_ids: list[int] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Grammars, as xgrammar structural tags
+
+
+_EXCLUDES = list(MARKER_TOKENS)
+_TAIL = "<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>"
+
+
+def _const(value: str) -> dict:
+    return {"type": "const_string", "value": value}
+
+
+def body_format(spec: StructuredSpec) -> dict:
+    """The structural-tag format of a json/regex/choice/grammar constraint."""
+    if spec.kind == "json":
+        schema = spec.value if spec.value is not None else {"type": "object"}
+        # Whitespace is capped: a random or weak model would otherwise pad the JSON until max_tokens.
+        return {"type": "json_schema", "json_schema": schema, "style": "json", "excludes": _EXCLUDES,
+                "max_whitespace_cnt": 1}
+    if spec.kind == "regex":
+        return {"type": "regex", "pattern": spec.value}
+    if spec.kind == "choice":
+        return {"type": "or", "elements": [_const(str(c)) for c in spec.value]}
+    if spec.kind == "grammar":
+        return {"type": "grammar", "grammar": spec.value}
+    raise ValueError(f"unknown structured output kind {spec.kind!r}")
+
+
+def tool_call_format(xgr, spec: StructuredSpec) -> dict:
+    """K3 forced calls: an empty response channel, then one or more XTML calls (xgrammar's kimi_k3
+    tag for the calls, so arguments follow the `kimi_k3_xml` style), then the message end."""
+    tools = [{"type": "function", "function": t} for t in spec.value["tools"]]
+    tag = xgr.get_model_structural_tag("kimi_k3", tools=tools, tool_choice="required", reasoning=False)
+    elements = tag.model_dump(exclude_none=True)["format"]["elements"]
+    calls = next(e for e in elements if e.get("type") == "sequence")
+    for e in calls["elements"]:
+        if e.get("type") == "tags_with_separator":
+            e["stop_after_first"] = not spec.value.get("parallel", True)
+    _cap_whitespace(calls)
+    head = ("<|open|>response<|sep|>" if spec.open_response else "") + "<|close|>response<|sep|>"
+    return {"type": "sequence", "elements": [
+        _const(head), calls, _const("<|close|>message<|sep|><|end_of_msg|>"),
+    ]}
+
+
+def _cap_whitespace(node: Any) -> None:
+    """Bound free whitespace in every JSON-schema element (argument values pad endlessly otherwise)."""
+    if isinstance(node, dict):
+        if node.get("type") == "json_schema":
+            node["max_whitespace_cnt"] = 1
+        for v in node.values():
+            _cap_whitespace(v)
+    elif isinstance(node, list):
+        for v in node:
+            _cap_whitespace(v)
+
+
+def build_format(xgr, spec: StructuredSpec, k3: bool) -> dict:
+    if spec.kind == "tool_call":
+        if not k3:
+            raise ValueError("forced tool calls need the K3 chat encoding")
+        return tool_call_format(xgr, spec)
+    body = body_format(spec)
+    if spec.wrapper != "k3" or not k3:
+        return body
+    elements = [body, _const(_TAIL)]
+    if spec.open_response:
+        elements.insert(0, _const("<|open|>response<|sep|>"))
+    return {"type": "sequence", "elements": elements}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Engine side: compilation and matchers
+
+
+class GrammarBackend:
+    """xgrammar state shared by all requests of one engine: the vocabulary and the compiler."""
+
+    def __init__(self, tokenizer, vocab_size: int) -> None:
+        import torch
+        import xgrammar as xgr
+
+        self.xgr = xgr
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        vocab: list[bytes] = []
+        for tid in range(vocab_size):
+            try:
+                data = tokenizer.token_bytes(tid)
+            except (IndexError, KeyError):
+                data = b""
+            is_marker = tokenizer.family == "k3" and data.decode("utf-8", "replace") in MARKER_TOKENS
+            vocab.append(b"" if tid in tokenizer.special_token_ids and not is_marker else data)
+        # marker id -> ordinary tokens that would start spelling the marker's text byte by byte
+        self.spellers: dict[int, torch.Tensor] = {}
+        if tokenizer.family == "k3":
+            for name in MARKER_TOKENS:
+                text = name.encode()
+                ids = [t for t, d in enumerate(vocab) if d and t not in tokenizer.special_token_ids
+                       and (text.startswith(d) or d.startswith(text))]
+                self.spellers[tokenizer.special_id(name)] = torch.tensor(ids, dtype=torch.long)
+        stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        self.grammar_stop_ids = stop
+        info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stop)
+        self.compiler = xgr.GrammarCompiler(info, max_threads=2)
+
+    def compile(self, spec: StructuredSpec) -> CompiledStructured:
+        k3 = self.tokenizer.family == "k3"
+        try:
+            fmt = build_format(self.xgr, spec, k3)
+            grammar = self.xgr.Grammar.from_structural_tag({"type": "structural_tag", "format": fmt})
+            compiled = self.compiler.compile_grammar(grammar)
+        except Exception as e:  # xgrammar raises RuntimeError and friends for a bad schema or regex
+            raise ValueError(f"invalid {spec.kind} constraint: {e}") from e
+        return CompiledStructured(self, compiled, spec)
+
+
+@lru_cache(maxsize=4)
+def _backend(tokenizer, vocab_size: int) -> GrammarBackend:
+    return GrammarBackend(tokenizer, vocab_size)
+
+
+def compile_spec(spec: StructuredSpec, tokenizer, vocab_size: int) -> CompiledStructured:
+    return _backend(tokenizer, vocab_size).compile(spec)
+
+
+class CompiledStructured:
+    """What `SamplingParams.structured` holds inside the engine: a factory of per-completion matchers."""
+
+    def __init__(self, backend: GrammarBackend, compiled, spec: StructuredSpec) -> None:
+        self.backend, self.compiled, self.spec = backend, compiled, spec
+
+    def new_matcher(self) -> StructuredMatcher:
+        return StructuredMatcher(self)
+
+
+class _ThinkEndWatcher:
+    """Sees the newest think channel close in the generated ids (K3: `<|close|>think<|sep|>`)."""
+
+    def __init__(self, tokenizer, family: str) -> None:
+        self.tok = tokenizer
+        self.family = family
+        if family == "k3":
+            self.close, self.sep = tokenizer.special_id("<|close|>"), tokenizer.special_id("<|sep|>")
+        else:
+            self.end = tokenizer.token_to_id("</think>")
+        self._tag: list[int] | None = None
+
+    def feed(self, tok: int) -> bool:
+        if self.family != "k3":
+            return tok == self.end
+        if tok == self.close:
+            self._tag = []
+            return False
+        if self._tag is None:
+            return False
+        if tok == self.sep:
+            name, self._tag = self.tok.decode(self._tag, skip_special_tokens=False), None
+            return name == "think"
+        self._tag.append(tok)
+        if len(self._tag) > 8:  # not a tag name we care about
+            self._tag = None
+        return False
+
+
+class StructuredMatcher:
+    def __init__(self, owner: CompiledStructured) -> None:
+        xgr = owner.backend.xgr
+        self.owner = owner
+        self.matcher = xgr.GrammarMatcher(owner.compiled)
+        self.bitmask = xgr.allocate_token_bitmask(1, owner.backend.vocab_size)
+        reasoning = owner.spec.reasoning
+        self.watcher = _ThinkEndWatcher(owner.backend.tokenizer, reasoning) if reasoning else None
+        self.active = self.watcher is None
+        self.done = False
+
+    def allowed_mask(self, vocab_size: int):
+        import torch
+
+        if not self.active:
+            return torch.ones(vocab_size, dtype=torch.bool)
+        ends = self.owner.spec.end_token_ids
+        if self.done or self.matcher.is_terminated():
+            mask = torch.zeros(vocab_size, dtype=torch.bool)
+            mask[[t for t in ends if t < vocab_size]] = True
+            return mask
+        self.matcher.fill_next_token_bitmask(self.bitmask)
+        words = self.bitmask[0].to(torch.int64) & 0xFFFFFFFF
+        bits = (words.unsqueeze(1) >> torch.arange(32, dtype=torch.int64)) & 1
+        mask = bits.reshape(-1)[:vocab_size].bool()
+        if mask.numel() < vocab_size:
+            mask = torch.cat([mask, torch.zeros(vocab_size - mask.numel(), dtype=torch.bool)])
+        if self.matcher.is_completed():
+            # The engine stops on its own end ids; xgrammar's stop id may not be one of them.
+            mask[[t for t in self.owner.backend.grammar_stop_ids if t < vocab_size]] = False
+            mask[[t for t in ends if t < vocab_size]] = True
+        clean = mask.clone()
+        for marker, spellers in self.owner.backend.spellers.items():
+            if marker < vocab_size and mask[marker]:
+                clean[spellers[spellers < vocab_size]] = False
+        return clean if clean.any() else mask
+
+    def accept(self, token_id: int) -> None:
+        if not self.active:
+            self.active = self.watcher.feed(token_id)
+            return
+        if self.done or self.matcher.is_terminated():
+            self.done = True
+            return
+        if not self.matcher.accept_token(token_id) and token_id in self.owner.spec.end_token_ids:
+            self.done = True
+
+
+__all__ = ["StructuredSpec", "compile_spec", "CompiledStructured", "StructuredMatcher"]

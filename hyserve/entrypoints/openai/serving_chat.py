@@ -1,0 +1,300 @@
+"""POST /v1/chat/completions: render with the family's encoder, generate, parse reasoning and tool calls.
+
+Outputs are parsed on token ids (never on rendered text), with one `OutputParser` per completion; the
+streaming and non-streaming paths run the same parser, so their results agree (serving.md §2).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from hyserve.engine.structured import StructuredSpec
+from hyserve.entrypoints.chat import get_chat_encoder
+from hyserve.entrypoints.chat.tool_calls import Delta, make_output_parser
+from hyserve.entrypoints.openai.protocol import APIError, ChatCompletionRequest
+from hyserve.entrypoints.openai.serving_common import (
+    ServerState,
+    build_params,
+    collect,
+    error_event,
+    merge,
+    new_id,
+    resolve_max_tokens,
+    sse,
+    structured_constraint,
+    submit,
+    usage,
+)
+
+
+def _tool_functions(req: ChatCompletionRequest) -> list[dict]:
+    out = []
+    for tool in req.tools or []:
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if tool.get("type", "function") != "function" or not isinstance(fn, dict) or not fn.get("name"):
+            raise APIError(400, "each tool must be {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                           param="tools")
+        out.append(fn)
+    return out
+
+
+def _tool_choice(req: ChatCompletionRequest, functions: list[dict]) -> tuple[str, list[dict]]:
+    """("none" | "auto" | "required", the functions a forced call may use)."""
+    choice = req.tool_choice
+    if choice is None:
+        return ("auto" if functions else "none"), functions
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise APIError(400, f"tool_choice must be none, auto, required or a named function, got {choice!r}",
+                           param="tool_choice")
+        if choice == "required" and not functions:
+            raise APIError(400, "tool_choice 'required' needs at least one tool", param="tool_choice")
+        return choice, functions
+    name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+    if not name:
+        raise APIError(400, "a named tool_choice must be {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                       param="tool_choice")
+    named = [f for f in functions if f["name"] == name]
+    if not named:
+        raise APIError(400, f"tool_choice names function {name!r}, which is not in tools", param="tool_choice")
+    return "required", named
+
+
+def _chat_logprobs(state: ServerState, token_ids: list[int], entries: list[dict] | None,
+                   k: int | None) -> list[dict] | None:
+    if k is None or entries is None:
+        return None
+    out = []
+    for tid, entry in zip(token_ids, entries):
+        text = state.tokenizer.decode([tid], skip_special_tokens=False)
+        ranked = sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= k), key=lambda x: x.rank)
+        out.append({
+            "token": text, "logprob": entry[tid].logprob if tid in entry else None, "bytes": list(text.encode()),
+            "top_logprobs": [{"token": lp.decoded_token, "logprob": lp.logprob,
+                              "bytes": list((lp.decoded_token or "").encode())} for lp in ranked][:k],
+        })
+    return out
+
+
+class _StopTrim:
+    """Stop strings for chat. The engine ends the completion when one appears, but the parsers work on
+    token ids, which still hold the stop text; so streamed text keeps back the last `len(stop) - 1`
+    characters of each field until the end, where a matched stop string is cut off."""
+
+    def __init__(self, stops: list[str], keep: bool) -> None:
+        self.stops, self.keep = stops, keep
+        self.holdback = max((len(x) for x in stops), default=1) - 1
+        self.pending = {"reasoning": "", "content": ""}
+
+    def push(self, delta: Delta) -> Delta:
+        if not self.stops:
+            return delta
+        out = {}
+        for name in ("reasoning", "content"):
+            text = getattr(delta, name)
+            if name == "content" and text and self.pending["reasoning"]:
+                out["reasoning"] = (out.get("reasoning") or "") + self.pending["reasoning"]
+                self.pending["reasoning"] = ""
+            if text:
+                buf = self.pending[name] + text
+                cut = max(0, len(buf) - self.holdback)
+                self.pending[name] = buf[cut:]
+                if cut:
+                    out[name] = (out.get(name) or "") + buf[:cut]
+        return Delta(out.get("reasoning"), out.get("content"), delta.tool_calls)
+
+    def finish(self, delta: Delta, stop_reason: Any) -> Delta:
+        if not self.stops:
+            return delta
+        released = self.push(delta)
+        out = {"reasoning": released.reasoning, "content": released.content}
+        for name in ("reasoning", "content"):
+            tail, self.pending[name] = self.pending[name], ""
+            if tail:
+                out[name] = (out[name] or "") + tail
+        if isinstance(stop_reason, str) and not self.keep:
+            for name in ("content", "reasoning"):
+                text = out[name]
+                if text is not None and (i := text.rfind(stop_reason)) >= 0:
+                    out[name] = text[:i] or None
+                    break
+        return Delta(out["reasoning"], out["content"], released.tool_calls)
+
+
+class _Completion:
+    """Per-choice state while a chat completion runs."""
+
+    def __init__(self, state: ServerState, opens_thinking: bool, tools_enabled: bool,
+                 stop: _StopTrim | None = None) -> None:
+        self.parser = make_output_parser(state.chat_encoding, state.tokenizer,
+                                         prompt_opens_thinking=opens_thinking, tools_enabled=tools_enabled)
+        self.ids: list[int] = []
+        self.logprobs: list[dict] = []
+        self.finish: str | None = None
+        self.stop: Any = None
+        self.sent_role = False
+        self.called = False
+        self.trim = stop or _StopTrim([], False)
+
+
+def _finish_reason(c: _Completion) -> str | None:
+    if c.finish == "stop" and c.called:
+        return "tool_calls"
+    return c.finish
+
+
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request):
+    state.check_model(req.model)
+    encoder = get_chat_encoder(state.chat_encoding)
+    functions = _tool_functions(req)
+    choice, forced = _tool_choice(req, functions)
+    kwargs: dict[str, Any] = dict(req.chat_template_kwargs or {})
+    kwargs.setdefault("add_generation_prompt", req.add_generation_prompt)
+    if req.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+    if req.tool_choice is not None:
+        kwargs.setdefault("tool_choice", choice)
+    if req.response_format is not None:
+        kwargs.setdefault("response_format", req.response_format.model_dump(exclude_none=True))
+    try:
+        ids = encoder.encode(state.tokenizer, req.messages, req.tools or None, **kwargs)
+    except (ValueError, KeyError, TypeError) as e:
+        raise APIError(400, f"invalid messages: {e}", param="messages") from e
+    opens_thinking = encoder.prompt_opens_thinking(**kwargs)
+    stop_ids = encoder.stop_token_ids(state.tokenizer)
+    k3 = state.chat_encoding == "k3"
+    reasoning = state.chat_encoding if opens_thinking else None
+    spec = None
+    if choice == "required" and k3:
+        tools = [{"name": f["name"], "parameters": f.get("parameters") or {"type": "object", "properties": {}}}
+                 for f in forced]
+        spec = StructuredSpec("tool_call", {"tools": tools, "parallel": req.parallel_tool_calls}, wrapper="k3",
+                              open_response=opens_thinking, reasoning=reasoning, end_token_ids=stop_ids)
+    elif (constraint := structured_constraint(req)) is not None:
+        spec = StructuredSpec(constraint[0], constraint[1], wrapper="k3" if k3 else None,
+                              open_response=opens_thinking, reasoning=reasoning, end_token_ids=stop_ids)
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens = resolve_max_tokens(state, len(ids), requested, None)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    k = (req.top_logprobs or 0) if req.logprobs else None
+    # The parsers need the markers: special tokens stay in (serving.md §2, common rules).
+    # ignore_eos (benchmarks asking for exact output lengths) also ignores the end-of-message markers.
+    params = build_params(req, max_tokens=max_tokens, logprobs=k, stop_token_ids=[] if req.ignore_eos else stop_ids,
+                          structured=spec, skip_special_tokens=False)
+    rid = new_id("chatcmpl")
+    stream = await submit(state, rid, ids, params, req)
+    tools_enabled = bool(functions) and choice != "none"
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    comps = [_Completion(state, opens_thinking, tools_enabled, _StopTrim(stops, req.include_stop_str_in_output))
+             for _ in range(req.n)]
+    created = int(time.time())
+    if req.stream:
+        gen = _stream(state, req, rid, created, len(ids), stream, comps, k)
+        return StreamingResponse(gen, media_type="text/event-stream")
+    (deltas,) = await collect([stream], request)
+    cached = 0
+    for d in deltas:
+        cached = d.num_cached_tokens if d.finished else cached
+        for c in d.completions:
+            comp = comps[c.index]
+            comp.ids += c.token_ids
+            comp.logprobs += c.logprobs or []
+            if c.finish_reason:
+                comp.finish, comp.stop = c.finish_reason, c.stop_reason
+    choices = []
+    for i, comp in enumerate(comps):
+        parsed = comp.parser.parse(comp.ids)
+        trimmed = comp.trim.finish(Delta(parsed.reasoning, parsed.content), comp.stop)
+        parsed.reasoning, parsed.content = trimmed.reasoning, trimmed.content
+        comp.called = bool(parsed.tool_calls)
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content, "reasoning": parsed.reasoning,
+                                   "tool_calls": [t.to_openai() for t in parsed.tool_calls]}
+        if state.emit_reasoning_content:
+            message["reasoning_content"] = parsed.reasoning
+        choices.append({"index": i, "message": message, "logprobs": _logprobs_block(state, comp, k),
+                        "finish_reason": _finish_reason(comp) or "abort", "stop_reason": comp.stop})
+    body = {"id": rid, "object": "chat.completion", "created": created, "model": state.served_model_name,
+            "choices": choices, "usage": usage(len(ids), sum(len(c.ids) for c in comps), cached)}
+    return JSONResponse(body)
+
+
+def _logprobs_block(state: ServerState, comp: _Completion, k: int | None) -> dict | None:
+    content = _chat_logprobs(state, comp.ids, comp.logprobs, k)
+    return None if content is None else {"content": content}
+
+
+def _delta_body(state: ServerState, delta: Delta, comp: _Completion) -> dict[str, Any]:
+    body: dict[str, Any] = {}
+    if not comp.sent_role:
+        comp.sent_role = True
+        body["role"] = "assistant"
+        body["content"] = ""
+    if delta.reasoning is not None:
+        body["reasoning"] = delta.reasoning
+        if state.emit_reasoning_content:
+            body["reasoning_content"] = delta.reasoning
+    if delta.content is not None:
+        body["content"] = delta.content
+    if delta.tool_calls:
+        comp.called = True
+        body["tool_calls"] = [t.to_openai() for t in delta.tool_calls]
+    return body
+
+
+async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, created: int, prompt_len: int,
+                  stream, comps: list[_Completion], k: int | None) -> AsyncIterator[str]:
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    cached = 0
+
+    def chunk(choices: list[dict]) -> str:
+        body = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                "model": state.served_model_name, "choices": choices}
+        if include_usage:
+            body["usage"] = None
+        return sse(body)
+
+    try:
+        async for _, d in merge([stream]):
+            if d.finished:
+                cached = d.num_cached_tokens
+            choices = []
+            for c in d.completions:
+                comp = comps[c.index]
+                comp.ids += c.token_ids
+                delta = comp.parser.feed(c.token_ids)
+                if c.finish_reason:
+                    comp.finish, comp.stop = c.finish_reason, c.stop_reason
+                    tail = comp.parser.finish()
+                    delta = Delta(_cat(delta.reasoning, tail.reasoning), _cat(delta.content, tail.content),
+                                  delta.tool_calls + tail.tool_calls)
+                    delta = comp.trim.finish(delta, comp.stop)
+                else:
+                    delta = comp.trim.push(delta)
+                body = _delta_body(state, delta, comp)
+                lps = _chat_logprobs(state, c.token_ids, c.logprobs, k)
+                if not body and not c.finish_reason and not lps:
+                    continue
+                choice = {"index": c.index, "delta": body, "logprobs": None if lps is None else {"content": lps},
+                          "finish_reason": _finish_reason(comp) if c.finish_reason else None}
+                if c.finish_reason:
+                    choice["stop_reason"] = comp.stop
+                choices.append(choice)
+            if choices:
+                yield chunk(choices)
+        if include_usage:
+            u = usage(prompt_len, sum(len(c.ids) for c in comps), cached)
+            yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                       "model": state.served_model_name, "choices": [], "usage": u})
+    except Exception as e:
+        yield error_event(e)
+    yield "data: [DONE]\n\n"
+
+
+def _cat(a: str | None, b: str | None) -> str | None:
+    return None if a is None and b is None else (a or "") + (b or "")
