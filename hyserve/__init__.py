@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from hyserve.config import EngineConfig
+from hyserve.config import DEFAULT_MODEL, EngineConfig
 from hyserve.outputs import CompletionOutput, Logprob, RequestOutput
 from hyserve.sampling_params import SamplingParams
 
@@ -21,11 +21,18 @@ PromptType = str | list[int] | dict
 class LLM:
     """Offline generation: `LLM(model="k3-tiny").generate(prompts, SamplingParams(...))`."""
 
-    def __init__(self, model: str = "k3-tiny", **kwargs):
+    def __init__(self, model: str = DEFAULT_MODEL, **kwargs):
         from hyserve.engine.llm_engine import LLMEngine
 
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._ids = itertools.count()
+
+    @classmethod
+    def from_engine(cls, engine) -> LLM:
+        """Wrap an existing engine, e.g. one built around an already loaded model (tests, benchmarks)."""
+        llm = cls.__new__(cls)
+        llm.engine, llm._ids = engine, itertools.count()
+        return llm
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -1,0 +1,125 @@
+"""Quality of a trained checkpoint on the held-out modules (docs/BENCHMARKS.md):
+
+    python -m hyserve.train.evaluate MODEL_DIR --split .traindata/split.json [--n 200] [--out eval.json]
+
+- perplexity on held-out code and on held-out chat assistant turns;
+- tool-call rate: greedy generations for tool-use prompts that parse into a `lookup_symbol` call with
+  JSON-object arguments (the server's own K3 output parser), and how many name the right symbol;
+- signature rate: answers that contain the right signature, after the tool result (copying) and in
+  plain chat without tools (recall of modules never seen: expected near zero).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+
+import torch
+
+from hyserve.entrypoints.chat.k3_encoding import encode_k3
+from hyserve.entrypoints.chat.tool_calls import make_output_parser
+from hyserve.train.data import (
+    LOOKUP_TOOL,
+    TOOL_NAME,
+    Symbol,
+    chat_messages,
+    code_documents,
+    encode_chat,
+    question,
+    tool_messages,
+)
+
+
+@torch.no_grad()
+def perplexity(model, examples: list[tuple[list[int], list[int]]], batch: int = 16) -> float:
+    from hyserve.train.packed import masked_lm_loss
+
+    total, count = 0.0, 0
+    for i in range(0, len(examples), batch):
+        part = examples[i : i + batch]
+        loss, n = masked_lm_loss(model, [e[0] for e in part], [e[1] for e in part])
+        total, count = total + loss.item() * n, count + n
+    return math.exp(total / max(count, 1))
+
+
+def tool_prompt(tok, sym: Symbol, rng: random.Random) -> list[int]:
+    return encode_k3(tok, tool_messages(sym, rng, complete=False), [LOOKUP_TOOL])
+
+
+def answer_prompt(tok, sym: Symbol, rng: random.Random) -> list[int]:
+    """The conversation up to the tool result: the next assistant turn should copy the signature."""
+    return encode_k3(tok, tool_messages(sym, rng)[:-1], [LOOKUP_TOOL])
+
+
+def parsed_call(tok, ids: list[int]) -> tuple[bool, str | None]:
+    """(a lookup_symbol call with JSON-object arguments was parsed, its `name` argument)."""
+    out = make_output_parser("k3", tok, prompt_opens_thinking=True, tools_enabled=True).parse(ids)
+    for call in out.tool_calls:
+        if call.name != TOOL_NAME:
+            continue
+        try:
+            args = json.loads(call.arguments)
+        except ValueError:
+            continue
+        if isinstance(args, dict):
+            return True, args.get("name")
+    return False, None
+
+
+def content_of(tok, ids: list[int]) -> str:
+    out = make_output_parser("k3", tok, prompt_opens_thinking=True, tools_enabled=True).parse(ids)
+    return out.content or ""
+
+
+def evaluate(model_dir: str, symbols: list[Symbol], eval_modules: list[str], n: int = 200, **llm_kwargs) -> dict:
+    from hyserve import LLM, SamplingParams
+
+    llm = LLM(model=model_dir, **llm_kwargs)
+    tok, model = llm.get_tokenizer(), llm.engine.model
+    rng = random.Random(1)
+    syms = (symbols * (1 + n // max(len(symbols), 1)))[:n] if symbols else []
+    code = [ids[i : i + 512] for d in code_documents(eval_modules) for ids in [tok.encode(d)]
+            for i in range(0, len(ids), 512)][:64]
+    chat = [encode_chat(tok, chat_messages(s, rng)) for s in syms]
+    res: dict = {"n": len(syms), "code_ppl": perplexity(model, [(c, [1] * len(c)) for c in code if len(c) > 1]),
+                 "chat_ppl": perplexity(model, chat)}
+    greedy = SamplingParams(temperature=0.0, max_tokens=96, skip_special_tokens=False)
+    gens = llm.generate([tool_prompt(tok, s, rng) for s in syms], greedy, use_tqdm=False)
+    calls = [parsed_call(tok, g.outputs[0].token_ids) for g in gens]
+    res["example_tool_generation"] = tok.decode(gens[0].outputs[0].token_ids, skip_special_tokens=False)[:400]
+    res["tool_call_rate"] = sum(ok for ok, _ in calls) / len(syms)
+    res["tool_call_right_name"] = sum(name == s.name for (_, name), s in zip(calls, syms)) / len(syms)
+    gens = llm.generate([answer_prompt(tok, s, rng) for s in syms], greedy, use_tqdm=False)
+    res["signature_after_tool"] = sum(s.call in content_of(tok, g.outputs[0].token_ids)
+                                      for g, s in zip(gens, syms)) / len(syms)
+    plain = [encode_k3(tok, [{"role": "user", "content": question(s, rng)}]) for s in syms]
+    gens = llm.generate(plain, greedy, use_tqdm=False)
+    res["signature_plain_chat"] = sum(s.call in content_of(tok, g.outputs[0].token_ids)
+                                      for g, s in zip(gens, syms)) / len(syms)
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hyserve.train.evaluate")
+    p.add_argument("model")
+    p.add_argument("--split", required=True, help="split.json written by `python -m hyserve.train prepare`")
+    p.add_argument("--n", type=int, default=200)
+    p.add_argument("--out", default=None)
+    p.add_argument("--device", default=None)
+    args = p.parse_args(argv)
+    split = json.load(open(args.split))
+    symbols = [Symbol(**s) for s in split["eval_symbols"]]
+    random.Random(0).shuffle(symbols)
+    kwargs = {"device": args.device, "enforce_eager": True} if args.device else {}
+    res = evaluate(args.model, symbols, split["eval_modules"], args.n, **kwargs)
+    print(json.dumps(res, indent=1))
+    if args.out:
+        json.dump(res, open(args.out, "w"), indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
