@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -31,12 +32,16 @@ class CachePlan:
     block_size: int
     page_bytes: int  # bytes of one block row
     slot_bytes: int  # bytes of one state slot
+    index_key_bytes: int = 0  # of page_bytes, the DSA index keys of one block row
 
     def describe(self) -> str:
         gib = 1 << 30
+        index = ""
+        if self.index_key_bytes:
+            index = f", of which index keys {self.num_blocks * self.index_key_bytes / gib:.3f} GiB"
         return (
             f"KV cache: {self.num_blocks} pages x {self.block_size} tokens = {self.num_blocks * self.block_size} "
-            f"cache tokens ({self.num_blocks * self.page_bytes / gib:.3f} GiB); {self.num_slots} KDA state slots "
+            f"cache tokens ({self.num_blocks * self.page_bytes / gib:.3f} GiB{index}); {self.num_slots} KDA state slots "
             f"({self.num_checkpoint_slots} for prefix checkpoints) x {self.slot_bytes / (1 << 20):.2f} MiB = "
             f"{self.num_slots * self.slot_bytes / gib:.3f} GiB"
         )
@@ -46,6 +51,9 @@ def plan_cache(cfg: EngineConfig, model: KimiForCausalLM, dtype: torch.dtype, ma
     mc = model.config
     elem = torch.finfo(dtype).bits // 8
     page_bytes = max(1, len(mc.mla_layers)) * cfg.block_size * mc.kv_row_width * elem
+    # DSA index keys share the block row with the latent (0 without an indexer)
+    index_bytes = cfg.block_size * mc.index_key_bytes_per_token(raw_dtype_bytes=elem)
+    page_bytes += index_bytes
     rec, conv = mc.kda_state_bytes(conv_dtype_bytes=elem)
     slot_bytes = max(1, rec + conv)
     if cfg.kv_cache_memory_bytes is not None:
@@ -77,7 +85,7 @@ def plan_cache(cfg: EngineConfig, model: KimiForCausalLM, dtype: torch.dtype, ma
         )
     if num_blocks * cfg.block_size < max_model_len:
         log.warning("the page pool holds %d tokens, fewer than max_model_len %d", num_blocks * cfg.block_size, max_model_len)
-    return CachePlan(num_blocks, num_slots, ckpt_slots, cfg.block_size, page_bytes, slot_bytes)
+    return CachePlan(num_blocks, num_slots, ckpt_slots, cfg.block_size, page_bytes, slot_bytes, index_key_bytes=index_bytes)
 
 
 class BlockPool:
@@ -205,10 +213,15 @@ class KVCacheManager:
     def usage(self) -> float:
         return 1.0 - self.blocks.num_free / max(1, self.blocks.num_blocks)
 
-    def check_empty(self, pinned_blocks: int = 0) -> None:
-        """Raise unless no request holds a block or a running slot (pinned_blocks: held by checkpoints)."""
+    def check_empty(self, pinned_blocks: int | Collection[int] = 0) -> None:
+        """Raise unless no request holds a block or a running slot. `pinned_blocks` are held by prefix
+        checkpoints: a count, or (stricter) the exact block ids, which must be the only ones referenced."""
         held = [b for b, r in enumerate(self.blocks.ref_cnt) if r != 0]
-        if len(held) != pinned_blocks:
-            raise AssertionError(f"blocks still referenced: {held[:10]}")
+        if isinstance(pinned_blocks, int):
+            if len(held) != pinned_blocks:
+                raise AssertionError(f"blocks still referenced: {held[:10]}")
+        elif set(held) != set(pinned_blocks):
+            extra, missing = sorted(set(held) - set(pinned_blocks)), sorted(set(pinned_blocks) - set(held))
+            raise AssertionError(f"blocks referenced but not pinned: {extra[:10]}; pinned but free: {missing[:10]}")
         if self.slots.num_free != self.slots.num_slots:
             raise AssertionError(f"state slots leaked: {self.slots.num_slots - self.slots.num_free} not returned")

@@ -155,6 +155,8 @@ class LLMEngine:
         if not out.seqs:
             return self._unschedulable()
         touched = {s.req for s in out.seqs}
+        if self.prefix_cache is not None:
+            self.prefix_cache.before_step(out)  # queued cache copies land before the forward reads them
         logits = self.runner.execute(out)
         now = time.time()
         for s in out.seqs:
@@ -194,7 +196,7 @@ class LLMEngine:
             nxt = torch.tensor(req.prompt_token_ids[s.start + 1 : s.start + 1 + n], device=lg.device)
             r = compute_prompt_logprobs(lg[:n], nxt, k)
             rows = logprob_dicts(
-                nxt.tolist(), r.logprobs.tolist(), r.ranks.tolist(),
+                nxt.tolist(), r.token_logprobs.tolist(), r.ranks.tolist(),
                 r.top_token_ids.tolist() if r.top_token_ids is not None else None,
                 r.top_logprobs.tolist() if r.top_logprobs is not None else None, [k] * n,
             )
@@ -299,6 +301,9 @@ class LLMEngine:
         self.stats.num_waiting = len(self.scheduler.waiting)
         self.stats.kv_cache_usage = self.kv.usage
         self.stats.num_preemptions = self.scheduler.num_preemptions
+        if self.prefix_cache is not None:
+            self.stats.prefix_cache_queries = self.prefix_cache.queries
+            self.stats.prefix_cache_hits = self.prefix_cache.hits
         return outs
 
     def make_output(self, parent: _Parent) -> RequestOutput:

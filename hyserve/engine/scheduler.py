@@ -81,7 +81,7 @@ class Scheduler:
             if req not in self.running:  # preempted earlier in this loop
                 continue
             n = self._chunk(req, budget)
-            while not self.kv.allocate(req, req.num_computed_tokens + n):
+            while not self._allocate(req, req.num_computed_tokens + n):
                 victim = self._victim()
                 self._preempt(victim, out)
                 budget = self.cfg.max_num_batched_tokens - out.num_tokens
@@ -99,7 +99,7 @@ class Scheduler:
             if req.num_computed_tokens == 0 and self.prefix_cache is not None:
                 self.prefix_cache.on_admit(req)
             n = self._chunk(req, budget)
-            if not self.kv.allocate(req, req.num_computed_tokens + n):
+            if not self._allocate(req, req.num_computed_tokens + n):
                 if self.prefix_cache is not None:
                     self.prefix_cache.on_admit_failed(req)
                 self.kv.free(req)
@@ -113,6 +113,14 @@ class Scheduler:
             out.seqs.append(ScheduledSeq(req, n, req.num_computed_tokens))
             budget -= n
         return out
+
+    def _allocate(self, req: Request, num_tokens: int) -> bool:
+        """Pages pinned by prefix checkpoints are cache, not work: release them before giving up, or a
+        small pool preempts (and finally fails) requests while checkpoints hold its pages."""
+        while not self.kv.allocate(req, num_tokens):
+            if self.prefix_cache is None or not self.prefix_cache.release_pinned_page():
+                return False
+        return True
 
     def _chunk(self, req: Request, budget: int) -> int:
         n = min(req.num_tokens - req.num_computed_tokens, budget)

@@ -43,19 +43,21 @@ def experts_forward(
     """
     t, k = ids.shape
     inter = w13.shape[1] // 2
-    y = torch.zeros(t, w2.shape[1], dtype=torch.float32, device=x.device)
+    if t == 0:
+        return x.new_zeros(0, w2.shape[1])
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
-    tok = order // k
+    xs = x[order // k]  # token copies grouped by expert
+    outs = []
     start = 0
     for e, n in enumerate(counts):
         if n == 0:
             continue
-        sel = order[start : start + n]
-        rows = tok[start : start + n]
+        h = xs[start : start + n] @ w13[e].t()
+        outs.append(act(h[:, :inter], h[:, inter:]) @ w2[e].t())
         start += n
-        h = x[rows] @ w13[e].t()
-        out = act(h[:, :inter], h[:, inter:]) @ w2[e].t()
-        y.index_add_(0, rows, out.float() * weights.reshape(-1)[sel, None])
-    return y.to(x.dtype)
+    # Un-permute once and sum over k: a per-expert index_add_ costs an OpenMP region each, which
+    # dominated small-batch CPU steps (about 0.5 ms per call on 2 busy cores).
+    out = torch.cat(outs).float()[torch.argsort(order)].view(t, k, -1)
+    return (out * weights.float().unsqueeze(-1)).sum(1).to(x.dtype)
