@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import math
 import sys
 from pathlib import Path
@@ -365,6 +366,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 def run_bench(args: argparse.Namespace) -> int:
     """Dispatch a parsed `bench ...` namespace to its handler."""
+    # httpx logs every request at INFO; under `hyserve --log-level INFO` that buries the summary tables.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     return int(args.bench_func(args) or 0)
 
 

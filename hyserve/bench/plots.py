@@ -63,9 +63,13 @@ def plot_latency(
     for ax, key, title in ((axes[0], "ttft_ms", "TTFT (ms)"), (axes[1], "itl_ms", "ITL (ms)")):
         for p in percentiles:
             ax.plot(conc, [r[key].get(p) for r in rs], marker="o", label=p)
+        ax.set_title(f"{title.split()[0]} percentiles")
         ax.set_xlabel("concurrency (lanes)")
         ax.set_ylabel(title)
         ax.set_xscale("log", base=2)
+        # Label the concurrencies actually run as plain numbers; the log axis would print 2^k.
+        ax.set_xticks(conc, [str(c) for c in conc])
+        ax.minorticks_off()
         ax.grid(True, alpha=0.3)
         ax.legend()
     fig.tight_layout()

@@ -92,6 +92,22 @@ def _chunk_text(chunk: dict) -> str:
     return "".join(p for p in parts if isinstance(p, str))
 
 
+def _is_token_chunk(chunk: dict) -> bool:
+    """Whether a stream chunk carries generated tokens.
+
+    A completions chunk may carry tokens whose text is still "" (a byte-level tokenizer holds back a
+    partial UTF-8 character), so any choice counts there except a finish-only one with no text. Chat
+    chunks count when they carry text: the role-only first delta and finish-only last delta do not.
+    """
+    choices = chunk.get("choices") or []
+    if not choices:
+        return False
+    c = choices[0]
+    if "text" in c:
+        return bool(c.get("text")) or c.get("finish_reason") is None
+    return bool(_chunk_text(chunk))
+
+
 def _apply_usage(result: RequestResult, usage: dict | None) -> bool:
     if not usage:
         return False
@@ -164,8 +180,7 @@ async def _consume_stream(resp: httpx.Response, result: RequestResult, st: float
         if "error" in chunk:
             raise _StreamError(chunk["error"])
         now = time.perf_counter()
-        if _chunk_text(chunk):
-            # Empty chunks (role-only first delta, finish-only last chunk) are not tokens.
+        if _is_token_chunk(chunk):
             if n_chunks == 0:
                 result.ttft = now - st
             else:
@@ -175,7 +190,7 @@ async def _consume_stream(resp: httpx.Response, result: RequestResult, st: float
         have_usage = _apply_usage(result, chunk.get("usage")) or have_usage
     result.latency = time.perf_counter() - st
     if n_chunks == 0:
-        result.error = "stream ended without any generated text"
+        result.error = "stream ended without any generated tokens"
         return
     if not have_usage:
         # Without usage each content chunk is taken as one token (true for plain decoding).

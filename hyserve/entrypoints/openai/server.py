@@ -74,7 +74,8 @@ class RequestIdAndAuth:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     fields = ("model", "dtype", "device", "seed", "tokenizer", "served_model_name", "max_num_seqs",
               "max_num_batched_tokens", "max_model_len", "block_size", "gpu_memory_utilization", "kv_cache_dtype",
-              "enable_prefix_caching", "scheduling_policy")
+              "enable_prefix_caching", "prefix_cache_second_hit", "prefix_cache_end_of_generation",
+              "scheduling_policy")
     kwargs = {f: getattr(args, f) for f in fields if getattr(args, f, None) is not None}
     return EngineConfig(**kwargs)
 
