@@ -7,6 +7,7 @@ sequence i owns tokens `cu_seqlens[i]:cu_seqlens[i+1]`, which are its positions
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,12 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         return int(sum(self.query_lens))
+
+    @functools.cached_property
+    def context_lens_device(self) -> torch.Tensor:
+        """context_lens on the batch's device, built once per step (GPU kernels read it; every MLA
+        layer building its own would cost a host-to-device copy per layer)."""
+        return torch.tensor(self.context_lens, dtype=torch.long).to(self.cu_seqlens.device, non_blocking=True)
 
     @property
     def decode_only(self) -> bool:

@@ -118,7 +118,8 @@ class MLAttention(nn.Module):
             bt = batch.block_tables if every else batch.block_tables[idx]
             ctx_d = [ctx[i] for i in dec]
             o[tok] = mla_absorbed_decode_fast(
-                q_nope[tok], q_rope[tok], cache.pages, self.mla_index, bt, torch.tensor(ctx_d, device=dev),
+                q_nope[tok], q_rope[tok], cache.pages, self.mla_index, bt,
+                batch.context_lens_device if every else batch.context_lens_device[idx],
                 max(ctx_d), w, self.rank, self.dv, self.scale,
             )
         if pre:

@@ -10,6 +10,7 @@ from hyserve.models.layers.activation import GLU
 from hyserve.models.layers.norm import RMSNorm
 from hyserve.ops import moe as moe_ops
 from hyserve.ops.dispatch import fast_path
+from hyserve.ops.moe_gemv import experts_forward_gemv
 from hyserve.ops.moe_grouped import experts_forward_grouped, grouped_mm_available
 
 
@@ -69,7 +70,9 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, w = self.gate(x)
         xe = self.routed_expert_down_proj(x) if self.latent else x
-        if fast_path(xe) and grouped_mm_available(xe, self.w13):
+        if fast_path(xe) and ids.numel() <= 64:  # decode: read only the selected experts' rows
+            y = experts_forward_gemv(xe, ids, w, self.w13, self.w2, self.act)
+        elif fast_path(xe) and grouped_mm_available(xe, self.w13):
             y = experts_forward_grouped(xe, ids, w, self.w13, self.w2, self.act)
         else:
             y = moe_ops.experts_forward(xe, ids, w, self.w13, self.w2, self.act)

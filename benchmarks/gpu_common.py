@@ -1,0 +1,116 @@
+# ruff: noqa: B023  (timing lambdas run inside the loop that binds them)
+"""Shared pieces of the GPU benchmarks: ceilings measured in the same run, timing, the 48B model with
+random weights drawn on the GPU, a filled cache, and the markdown report (appended to docs/BENCHMARKS.md
+and copied to $OUT when set)."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from hyserve.models.config import parse_config  # noqa: E402
+from hyserve.models.device_init import random_init_on_device  # noqa: E402
+from hyserve.models.loader import build_model  # noqa: E402
+from hyserve.models.presets import preset_config  # noqa: E402
+
+DATE = "2026-11-30"
+
+
+def time_ms(fn, warmup: int = 2, iters: int = 10) -> float:
+    """Median of CUDA-event timings of fn() after warm-up."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def ceilings() -> dict[str, float]:
+    """Device-to-device copy bandwidth (read + write, 1 GiB) and bf16 matmul rate (8192³), random data."""
+    src = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), 3, 20)
+    bw = 2 * src.numel() * 2 / ms / 1e9  # TB/s
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = time_ms(lambda: a @ b, 3, 20)
+    return {"copy_tbs": bw, "mm_tflops": 2 * 8192**3 / ms / 1e9}
+
+
+def machine() -> str:
+    p = torch.cuda.get_device_properties(0)
+    return f"{p.name}, {p.multi_processor_count} SMs, torch {torch.__version__}"
+
+
+def load_48b(layers: int | None = None):
+    cfg = preset_config("kimi-linear-48b-a3b")
+    if layers is not None:
+        cfg["num_hidden_layers"] = layers
+    # bf16 as the default dtype while building: build_model allocates parameters in the default dtype
+    # before casting, and 49B fp32 parameters (196 GB) do not fit on one H200
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = build_model(parse_config(cfg), torch.bfloat16, "cuda")
+    finally:
+        torch.set_default_dtype(old)
+    random_init_on_device(model, seed=0)
+    return model.eval()
+
+
+def fill_cache_(cache, gen: torch.Generator) -> None:
+    """Random, non-zero cache contents (zeros can run faster than real data: METHOD.md)."""
+    cache.pages.normal_(0, 1, generator=gen)
+    cache.conv.normal_(0, 0.5, generator=gen)
+    cache.recurrent.normal_(0, 0.02, generator=gen)
+
+
+def active_bytes(cfg, tokens: int) -> dict[str, float]:
+    """Weight bytes a step of `tokens` tokens must read (bf16): everything but the embedding table and the
+    routed experts, plus the expected number of distinct routed experts per MoE layer (uniform routing)."""
+    d, p, h, k = cfg.hidden_size, cfg.kda_proj_dim, cfg.kda_num_heads, cfg.kda_head_dim
+    kda = 3 * p * d + k * d + p * k + h * d + k * d + p * k + p * d
+    mla = cfg.num_attention_heads * cfg.qk_head_dim * d + cfg.kv_row_width * d
+    mla += cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) * cfg.kv_lora_rank
+    mla += d * cfg.num_attention_heads * cfg.v_head_dim
+    n_moe = sum(1 for t in cfg.mlp_types if t == "moe")
+    n_dense = len(cfg.mlp_types) - n_moe
+    expert = 3 * d * cfg.moe_intermediate_size
+    e, ke = cfg.num_experts, cfg.num_experts_per_tok
+    distinct = e * (1 - (1 - ke / e) ** tokens)
+    params = (len(cfg.kda_layers) * kda + len(cfg.mla_layers) * mla + n_dense * 3 * d * cfg.intermediate_size
+              + n_moe * (expert * cfg.num_shared_experts + e * d * 2) + cfg.vocab_size * d)
+    return {"dense": 2.0 * params, "experts": 2.0 * n_moe * distinct * expert}
+
+
+def active_params_per_token(cfg) -> float:
+    """Multiply-adds per token in the GEMMs (no embedding), i.e. FLOPs / 2."""
+    b = active_bytes(cfg, 1)
+    d = cfg.hidden_size
+    n_moe = sum(1 for t in cfg.mlp_types if t == "moe")
+    per_expert = 3 * d * cfg.moe_intermediate_size
+    return b["dense"] / 2 + n_moe * cfg.num_experts_per_tok * per_expert
+
+
+def report(title: str, command: str, table: list[str], notes: list[str], out_name: str) -> None:
+    text = "\n".join([f"\n## {title} ({DATE})", "", f"Machine: {machine()}. Command: `{command}`.", "", *table,
+                      "", *notes, ""])
+    print(text)
+    for target in [ROOT / "docs" / "BENCHMARKS.md"] + ([Path(os.environ["OUT"]) / out_name] if os.environ.get("OUT") else []):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target, "a") as fh:
+            fh.write(text)

@@ -1,0 +1,57 @@
+"""Prefill throughput of the kimi-linear-48b-a3b preset (random weights): one fresh sequence of 2K, 8K and
+32K tokens, FLOPs counted, against the bf16 matmul rate measured in the same run.
+`python benchmarks/gpu_prefill.py`."""
+
+from __future__ import annotations
+
+import torch
+from gpu_common import active_params_per_token, ceilings, load_48b, report, time_ms
+
+from hyserve.models.batch import Batch
+
+
+def prefill_flops(cfg, t: int) -> float:
+    gemm = 2 * active_params_per_token(cfg) * t
+    h = cfg.num_attention_heads
+    attn = len(cfg.mla_layers) * h * 2 * (cfg.qk_head_dim + cfg.v_head_dim) * t * (t + 1) / 2  # causal
+    attn += len(cfg.mla_layers) * 2 * t * cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + cfg.v_head_dim)  # kv_b
+    kda = len(cfg.kda_layers) * t * cfg.kda_num_heads * 2 * 4 * cfg.kda_head_dim**2  # about 4 K×V products
+    return gemm + attn + kda
+
+
+def main(model=None, ceil=None, lengths=(2048, 8192, 32768)) -> None:
+    ceil = ceil or ceilings()
+    model = model or load_48b()
+    cfg = model.config
+    bs = 64
+    rows = ["| tokens | ms | tokens/s | TFLOP | achieved | matmul-rate floor | floor/time |",
+            "|---|---|---|---|---|---|---|"]
+    for t in lengths:
+        blocks = (t + bs - 1) // bs
+        cache = model.make_cache(blocks + 1, bs, 2)
+        batch = Batch.build([t], [t], [list(range(blocks))], bs, [0], [True], "cuda")
+        ids = torch.randint(0, cfg.vocab_size, (t,), device="cuda")
+
+        def step(ids=ids, batch=batch, cache=cache):
+            with torch.inference_mode():
+                h = model(ids, batch, cache)
+                return model.compute_logits(h[-1:])
+
+        ms = time_ms(step, 1, 3)
+        fl = prefill_flops(cfg, t)
+        floor = fl / (ceil["mm_tflops"] * 1e12) * 1e3
+        rows.append(f"| {t} | {ms:.1f} | {t / ms * 1e3:.0f} | {fl / 1e12:.1f} | {fl / ms / 1e9:.0f} TFLOP/s | "
+                    f"{floor:.1f} ms | {floor / ms:.0%} |")
+        print(rows[-1], flush=True)
+        del cache
+        torch.cuda.empty_cache()
+    report("Prefill, kimi-linear-48b-a3b (random bf16 weights), one sequence", "python benchmarks/gpu_prefill.py",
+           rows, [f"Ceilings in this run: copy {ceil['copy_tbs']:.2f} TB/s, bf16 matmul {ceil['mm_tflops']:.0f} "
+                  "TFLOP/s. FLOPs: active GEMMs (8 routed + shared expert, lm_head for one token counted as all "
+                  "tokens), causal MLA attention in the expanded form, kv_b up-projection, KDA ≈ 4 K×V products "
+                  "per token and head. transformers 5.17 on the same shape (notes/h200.md, not re-run here): "
+                  "2K 106 ms, 8K 321 ms."], "prefill.md")
+
+
+if __name__ == "__main__":
+    main()

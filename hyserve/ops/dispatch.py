@@ -1,0 +1,41 @@
+"""When the layers take the GPU fast path (DESIGN.md §6): CUDA tensors, the kernel libraries importable,
+and no `reference_ops()` block active. The torch references stay the specification; tests switch the
+fast path off to compute them on the same device."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import os
+from collections.abc import Iterator
+
+import torch
+
+_forced_reference = os.environ.get("HYSERVE_REFERENCE_OPS", "0") == "1"
+
+
+@functools.cache
+def has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+@functools.cache
+def has_fla() -> bool:
+    return importlib.util.find_spec("fla") is not None
+
+
+def fast_path(x: torch.Tensor) -> bool:
+    """True where the Triton kernels may run on x (a CUDA tensor, Triton present, not forced off)."""
+    return x.is_cuda and not _forced_reference and has_triton()
+
+
+@contextlib.contextmanager
+def reference_ops() -> Iterator[None]:
+    """Run the torch reference ops inside this block, even on CUDA tensors."""
+    global _forced_reference
+    old, _forced_reference = _forced_reference, True
+    try:
+        yield
+    finally:
+        _forced_reference = old

@@ -1,0 +1,105 @@
+"""KDA GPU fast paths against the torch references (spec §2.4), on the 48B head shape, random inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hyserve.models.layers.norm import gated_rms_norm, l2_normalize
+from hyserve.ops import kda as ref
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+H, K, W = 32, 128, 4
+P = H * K
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    assert torch.isfinite(a).all(), "non-finite values in the fast result"
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _params(gen):
+    dev = "cuda"
+    return dict(
+        cw=torch.randn(3 * P, W, device=dev, generator=gen) * 0.3,
+        alog=torch.log(torch.rand(H, device=dev, generator=gen) * 15 + 1),
+        dtb=torch.rand(P, device=dev, generator=gen) * 2 - 1,
+        onw=torch.rand(K, device=dev, generator=gen) + 0.5,
+    )
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+@pytest.mark.parametrize("n", [1, 7, 64, 300])
+def test_decode_kernel_matches_reference(lower_bound, n):
+    from hyserve.ops.kda_decode import kda_decode
+
+    gen = torch.Generator("cuda").manual_seed(n)
+    dev, bf = "cuda", torch.bfloat16
+    pr = _params(gen)
+    slots_total = n + 5
+    x = torch.randn(n, 3 * P, device=dev, generator=gen).to(bf)
+    f = torch.randn(n, P, device=dev, generator=gen).to(bf)
+    b = torch.randn(n, H, device=dev, generator=gen).to(bf)
+    gate = torch.randn(n, P, device=dev, generator=gen).to(bf)
+    conv = torch.randn(slots_total, 2, 3 * P, W - 1, device=dev, generator=gen).to(bf)
+    rec = torch.randn(slots_total, 2, H, K, K, device=dev, generator=gen) * 0.1
+    slots = torch.randperm(slots_total, device=dev, generator=gen)[:n]
+    fresh = torch.rand(n, device=dev, generator=gen) < 0.3
+    conv[slots[fresh], 1] = float("nan")  # a fresh slot's old contents must never be read
+    rec[slots[fresh], 1] = float("nan")
+
+    tails = conv[slots, 1].masked_fill(fresh[:, None, None], 0).double()
+    st = rec[slots, 1].masked_fill(fresh[:, None, None, None], 0).double()
+    y, new_tails = ref.short_conv_step(x.double(), pr["cw"].double(), tails)
+    y = y.double()
+    q, k, v = y.to(bf).double().view(n, 3, H, K).unbind(1)
+    g = ref.kda_gate(f.view(n, H, K), pr["alog"], pr["dtb"], lower_bound).double()
+    o, new_st = ref.kda_recurrent(l2_normalize(q).double(), l2_normalize(k).double(), v, g, torch.sigmoid(b.double()), st, K**-0.5)
+    o_ref = gated_rms_norm(o, gate.view(n, H, K).double(), pr["onw"].double(), 1e-5).reshape(n, P)
+
+    untouched = conv[:, 0].clone(), rec[:, 0].clone()
+    out = kda_decode(x, f, b, gate, pr["cw"], conv[:, 1], rec[:, 1], pr["alog"], pr["dtb"], pr["onw"], slots,
+                     fresh, K**-0.5, 1e-5, lower_bound)
+    torch.cuda.synchronize()
+    assert rel_err(out, o_ref) < 1e-2
+    assert rel_err(rec[slots, 1], new_st) < 1e-2  # q/k/v are rounded to bf16: an ulp flip moves the state ~1e-3
+    assert torch.equal(conv[slots, 1].double(), new_tails.to(bf).double())
+    assert torch.equal(conv[:, 0], untouched[0]) and torch.equal(rec[:, 0], untouched[1])
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_prefill_varlen_matches_reference(lower_bound):
+    from hyserve.ops.kda_prefill import causal_conv_varlen, chunk_kda_varlen
+
+    gen = torch.Generator("cuda").manual_seed(1)
+    dev, bf = "cuda", torch.bfloat16
+    pr = _params(gen)
+    lens = [2, 63, 64, 65, 300, 1000]
+    n, t = len(lens), sum(lens)
+    cu_cpu = torch.tensor([0] + lens).cumsum(0)
+    cu = cu_cpu.to(dev)
+    x = torch.randn(t, 3 * P, device=dev, generator=gen).to(bf)
+    f = torch.randn(t, H, K, device=dev, generator=gen).to(bf)
+    b = torch.randn(t, H, device=dev, generator=gen).to(bf)
+    tails = torch.randn(n, 3 * P, W - 1, device=dev, generator=gen).to(bf)
+    init = torch.randn(n, H, K, K, device=dev, generator=gen) * 0.1
+    fresh = torch.tensor([True, False, True, False, False, True], device=dev)
+    tails = tails.masked_fill(fresh[:, None, None], 0)
+    init = init.masked_fill(fresh[:, None, None, None], 0)
+
+    y, new_tails = causal_conv_varlen(x, pr["cw"], cu, tails)
+    q, k, v = (z.contiguous() for z in y.view(t, 3, H, K).unbind(1))
+    o, final = chunk_kda_varlen(q, k, v, f, b, pr["alog"], pr["dtb"], lower_bound, K**-0.5, init.clone(), cu, cu_cpu)
+    for i in range(n):
+        sl = slice(int(cu_cpu[i]), int(cu_cpu[i + 1]))
+        yr, tr = ref.short_conv(x[sl].double(), pr["cw"].double(), tails[i].double())
+        yr = yr.double()
+        assert rel_err(y[sl], yr) < 1e-2
+        assert torch.equal(new_tails[i], tr.to(bf))
+        qr, kr, vr = yr.to(bf).double().view(-1, 3, H, K).unbind(1)
+        g = ref.kda_gate(f[sl], pr["alog"], pr["dtb"], lower_bound).double()
+        orf, sr = ref.kda_chunk(l2_normalize(qr).double(), l2_normalize(kr).double(), vr, g, torch.sigmoid(b[sl].double()),
+                                init[i].double(), K**-0.5)
+        assert rel_err(o[sl], orf) < 2e-2, i
+        assert rel_err(final[i], sr) < 2e-2, i
