@@ -175,7 +175,8 @@ def format_stats(name: str, s: dict[str, Any]) -> str:
         f"active params:     {_b(s['active_params'])} per token (with embedding and lm_head)",
         f"                   {_b(s['active_params_without_embedding'])} without the embedding",
         f"                   {_b(s['active_params_without_embedding_and_head'])} without embedding and lm_head",
-        f"KV cache / token:  {s['kv_values_per_token']:,} values; bf16 {_bytes(s['kv_bytes_per_token_bf16'])}, "
+        f"KV cache / token:  {len(s['mla_layers'])} MLA layers x {s['kv_values_per_token'] // max(1, len(s['mla_layers']))} "
+        f"= {s['kv_values_per_token']:,} values; bf16 {_bytes(s['kv_bytes_per_token_bf16'])}, "
         f"fp8 {_bytes(s['kv_bytes_per_token_fp8'])}",
     ]
     if s["indexer"]:
