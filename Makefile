@@ -22,7 +22,7 @@ serve: install
 	$(VENV)/bin/hyserve serve $(MODEL) --host $(HOST) --port $(PORT)
 
 test: install
-	$(PY) -m pytest tests -q -x -p no:cacheprovider; rc=$$?; \
+	$(PY) -m pytest tests -x -p no:cacheprovider; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 lint: install
