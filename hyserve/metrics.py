@@ -48,6 +48,14 @@ class _EngineStatsCollector(Collector):
         yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.get("num_waiting", 0))
         yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV cache pages in use (0-1).", s.get("kv_cache_usage", 0))
         yield counter("vllm:prompt_tokens", "Prompt tokens processed.", s.get("prompt_tokens", 0))
+        cached, external = s.get("prompt_tokens_cached", 0), s.get("prompt_tokens_external", 0)
+        yield counter("vllm:prompt_tokens_cached", "Prompt tokens not recomputed (prefix cache hits).", cached)
+        by_source = CounterMetricFamily("vllm:prompt_tokens_by_source", "Prompt tokens by where they came from.",
+                                        labels=names + ["source"])
+        for source, value in (("local_compute", s.get("prompt_tokens", 0) - cached),
+                              ("local_cache_hit", cached - external), ("external_kv_transfer", external)):
+            by_source.add_metric(values + [source], float(value))
+        yield by_source
         yield counter("vllm:generation_tokens", "Tokens generated.", s.get("generation_tokens", 0))
         yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", s.get("prefix_cache_queries", 0))
         yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", s.get("prefix_cache_hits", 0))

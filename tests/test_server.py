@@ -341,6 +341,16 @@ def test_metrics_count_what_was_sent(server, client):
     assert metric(server, "vllm:time_to_first_token_seconds_count") - before_ttft == 3
 
 
+def test_prompt_tokens_by_source_sum_to_prompt_tokens(server, client):
+    prompt = "a shared prefix that the second request reuses " * 4
+    for _ in range(2):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    total = metric(server, "vllm:prompt_tokens_total")
+    assert metric(server, "vllm:prompt_tokens_by_source_total") == total > 0
+    assert metric(server, "vllm:prompt_tokens_by_source_total", source="local_cache_hit") == metric(
+        server, "vllm:prompt_tokens_cached_total") > 0
+
+
 # ---- authentication and overload ---------------------------------------------------------------------------
 
 

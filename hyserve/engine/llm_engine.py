@@ -39,7 +39,9 @@ class EngineStats:
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
     num_preemptions: int = 0
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # every prompt token once per request, cached or computed (vLLM's meaning)
+    prompt_tokens_cached: int = 0  # of those, served from the prefix cache (local or CPU tier)
+    prompt_tokens_external: int = 0  # of the cached ones, restored from the CPU tier
     generation_tokens: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
@@ -162,8 +164,12 @@ class LLMEngine:
         for s in out.seqs:
             s.req.num_computed_tokens = s.end
             s.req.fresh_state = False
-            if s.start < s.req.num_prompt_tokens:
-                self.stats.prompt_tokens += min(s.end, s.req.num_prompt_tokens) - s.start
+            if s.end >= s.req.num_prompt_tokens and not s.req.extra.get("prompt_counted"):
+                # vLLM's prompt_tokens counts every prompt token once, cached or computed
+                s.req.extra["prompt_counted"] = True
+                self.stats.prompt_tokens += s.req.num_prompt_tokens
+                self.stats.prompt_tokens_cached += s.req.num_cached_tokens
+                self.stats.prompt_tokens_external += s.req.extra.get("external_cached_tokens", 0)
         self._prompt_logprobs(out, logits.prompt_logits)
         if logits.sample_rows:
             self._sample(out, logits.sample_rows, logits.logits, now)

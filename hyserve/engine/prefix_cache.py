@@ -336,6 +336,7 @@ class PrefixCache:
             t.conv[req.state_slot] = conv.to(dev)
             t.recurrent[req.state_slot] = rec.to(dev)
             self.cpu_hits += ck.p
+            req.extra["external_cached_tokens"] = ck.p
         if has_tail:
             ids.append(new[-1])
         req.block_ids = ids
