@@ -23,11 +23,11 @@ def free_port() -> int:
 
 
 @contextmanager
-def live_server(*flags: str, timeout: float = 180.0):
+def live_server(*flags: str, model: str = "k3-tiny", timeout: float = 180.0):
     """Yields the base URL (`http://127.0.0.1:PORT`) once /health answers 200; stops the server after."""
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")  # tiny matmuls: threads only cost
-    cmd = [sys.executable, "-m", "hyserve.entrypoints.serve", "k3-tiny", "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "hyserve.entrypoints.serve", model, "--host", "127.0.0.1",
            "--port", str(port), "--device", "cpu", *flags]
     log = tempfile.NamedTemporaryFile("w", prefix="hyserve_server_", suffix=".log", delete=False)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)

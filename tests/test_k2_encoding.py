@@ -166,3 +166,14 @@ def test_encoder_enable_thinking_selects_the_thinking_rendering(tok):
 def test_unknown_family_has_no_encoder():
     with pytest.raises(ValueError):
         get_chat_encoder("gpt")
+
+
+def test_continue_final_message_leaves_the_last_assistant_turn_open():
+    messages = [USER, {"role": "assistant", "content": "It is"}]
+    text = render_text(render_k2(messages, add_generation_prompt=False, continue_final_message=True))
+    assert text.endswith("<|im_assistant|>assistant<|im_middle|>It is")
+
+
+def test_continue_final_message_needs_an_assistant_message_last():
+    with pytest.raises(ValueError, match="assistant"):
+        render_k2([USER], add_generation_prompt=False, continue_final_message=True)

@@ -76,8 +76,10 @@ def test_completion_n_logprobs_echo_and_usage(client):
     assert sorted(c.index for c in r.choices) == [0, 1]
     for c in r.choices:
         assert c.text.startswith("The sky is") and c.finish_reason == "length"
-        assert len(c.logprobs.tokens) == 6 and len(c.logprobs.token_logprobs) == 6
-        assert all(len(top) <= 3 for top in c.logprobs.top_logprobs)
+        # echo: the block covers the prompt tokens (the first without a logprob), then the 6 generated
+        n = len(b"The sky is") + 6
+        assert len(c.logprobs.tokens) == n and len(c.logprobs.token_logprobs) == n
+        assert c.logprobs.top_logprobs[0] is None and all(len(top) <= 3 for top in c.logprobs.top_logprobs[1:])
     assert r.usage.prompt_tokens == len(b"The sky is") and r.usage.completion_tokens == 12
     assert r.usage.prompt_tokens_details.cached_tokens >= 0
 

@@ -56,6 +56,8 @@ class RequestDelta:
     error: str | None = None
     bad_request: bool = False  # the error is the client's fault (HTTP 400), not the engine's
     num_cached_tokens: int = 0
+    # Sent once, whole, with the first delta after prefill (one entry per prompt token, the first None)
+    prompt_logprobs: list[dict | None] | None = None
 
 
 class EngineRequestError(Exception):
@@ -79,6 +81,17 @@ class _DeltaTracker:
     def __init__(self, params: SamplingParams) -> None:
         self.holdback = max((len(s) for s in params.stop or ()), default=1) - 1
         self.sent: dict[int, tuple[int, int, int]] = {}  # index -> (tokens, chars, logprobs) sent
+        self.wants_prompt_logprobs = params.prompt_logprobs is not None
+
+    def prompt_logprobs(self, out) -> list | None:
+        """The request's prompt logprobs, once they are complete and not yet sent."""
+        pl = out.prompt_logprobs
+        if not self.wants_prompt_logprobs or pl is None:
+            return None
+        if len(pl) < len(out.prompt_token_ids or ()) and not out.finished:
+            return None  # prefill still running (chunked)
+        self.wants_prompt_logprobs = False
+        return list(pl)
 
     def delta(self, comp) -> CompletionDelta | None:
         ntok, nchar, nlp = self.sent.get(comp.index, (0, 0, 0))
@@ -110,6 +123,7 @@ def engine_main(cfg: EngineConfig, in_q, out_q) -> None:
             "eos_token_ids": list(engine.eos_token_ids),
             "num_blocks": engine.cache_plan.num_blocks,
             "num_state_slots": engine.cache_plan.num_slots,
+            "num_checkpoint_slots": engine.cache_plan.num_checkpoint_slots,
             "block_size": engine.kv.block_size,
             "max_num_seqs": cfg.max_num_seqs,
             "cache_description": engine.cache_plan.describe(),
@@ -197,10 +211,11 @@ class _EngineLoop:
         if out.finished:
             del self.trackers[out.request_id]
         comps = [d for c in out.outputs if (d := tracker.delta(c)) is not None]
-        if not comps and not out.finished:
+        prompt_lps = tracker.prompt_logprobs(out)
+        if not comps and not out.finished and prompt_lps is None:
             return None
         return RequestDelta(out.request_id, comps, out.finished, error=out.error,
-                            num_cached_tokens=out.num_cached_tokens)
+                            num_cached_tokens=out.num_cached_tokens, prompt_logprobs=prompt_lps)
 
     def _stats(self) -> dict[str, Any]:
         stats = dataclasses.asdict(self.engine.stats)

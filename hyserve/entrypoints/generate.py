@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 from hyserve.config import DEFAULT_MODEL
+from hyserve.entrypoints.engine_args import add_cache_arguments, cache_config_kwargs
 
 
 def add_generate_parser(subparsers) -> argparse.ArgumentParser:
@@ -39,6 +40,7 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     e.add_argument("--max-num-seqs", type=int, default=64)
     e.add_argument("--max-num-batched-tokens", type=int, default=2048)
     e.add_argument("--max-model-len", type=int, default=None)
+    add_cache_arguments(e)
     p.add_argument("--output", choices=["text", "jsonl"], default="text")
     p.set_defaults(func=run_generate)
     return p
@@ -66,6 +68,15 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """EngineConfig keyword arguments from the engine flags."""
+    return dict(
+        dtype=args.dtype, device=args.device, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        **cache_config_kwargs(args),
+    )
+
+
 def run_generate(args: argparse.Namespace) -> int:
     from hyserve import LLM, SamplingParams
     from hyserve.models import CheckpointError, ConfigError
@@ -78,11 +89,7 @@ def run_generate(args: argparse.Namespace) -> int:
             n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
             stop=args.stop, ignore_eos=args.ignore_eos, max_tokens=args.max_tokens,
         )
-        llm = LLM(
-            args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len,
-        )
+        llm = LLM(args.model, **engine_kwargs(args))
     except (ValueError, KeyError, OSError, CheckpointError, ConfigError) as e:  # OSError: a missing prompts file
         print(f"hyserve generate: error: {e}", file=sys.stderr)
         return 2

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from hyserve.config import DEFAULT_MODEL
+from hyserve.entrypoints.engine_args import add_cache_arguments
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,12 +26,13 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     # Retention policies of the prefix cache (DESIGN.md §5), switchable one by one so benchmarks can compare them;
-    # the interval policy is set by env HYSERVE_PREFIX_CACHE_RETENTION_INTERVAL.
+    # the interval policy is --prefix-cache-retention-interval (add_cache_arguments).
     p.add_argument("--prefix-cache-second-hit", action=argparse.BooleanOptionalAction, default=None,
                    help="keep the branch point of a prefix seen a second time (default: on)")
     p.add_argument("--prefix-cache-end-of-generation", action=argparse.BooleanOptionalAction, default=None,
                    help="keep the state at the end of each generation (default: on)")
     p.add_argument("--kv-cache-dtype", default=None)
+    add_cache_arguments(p)
     p.add_argument("--tool-call-parser", default=None, help="kimi_k3 | kimi_k2 (default: the model's family)")
     p.add_argument("--reasoning-parser", default=None, help="kimi_k3 | kimi_k2 (default: the model's family)")
     p.add_argument("--chat-encoding", choices=("k3", "k2"), default=None,

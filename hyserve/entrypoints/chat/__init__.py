@@ -25,6 +25,8 @@ class ChatEncoder(Protocol):
 
     def prompt_opens_thinking(self, **kwargs: Any) -> bool: ...
 
+    def model_opens_thinking(self, **kwargs: Any) -> bool: ...
+
 
 def thinking_enabled(kwargs: dict[str, Any], default: bool) -> bool:
     """`thinking` or `enable_thinking` switch thinking; `reasoning_effort="none"` turns it off."""
@@ -50,6 +52,7 @@ class K3ChatEncoder:
             "tool_choice": kwargs.get("tool_choice"),
             "response_format": kwargs.get("response_format"),
             "add_generation_prompt": kwargs.get("add_generation_prompt", True),
+            "continue_final_message": bool(kwargs.get("continue_final_message", False)),
         }
 
     def render(
@@ -67,8 +70,15 @@ class K3ChatEncoder:
         return [tokenizer.special_id(k3_encoding.END_OF_MSG), tokenizer.special_id(k3_encoding.EOS)]
 
     def prompt_opens_thinking(self, **kwargs: Any) -> bool:
-        """Whether the generation prompt ends inside an open think channel."""
+        """Whether the generation prompt ends inside an open think channel (a continued final message
+        ends inside its response)."""
+        if kwargs.get("continue_final_message"):
+            return False
         return bool(kwargs.get("add_generation_prompt", True)) and thinking_enabled(kwargs, default=True)
+
+    def model_opens_thinking(self, **kwargs: Any) -> bool:
+        """Whether the model may open a think channel itself (never: the prompt decides)."""
+        return False
 
 
 class K2ChatEncoder:
@@ -79,6 +89,7 @@ class K2ChatEncoder:
         return {
             "thinking": thinking_enabled(kwargs, default=False),
             "add_generation_prompt": kwargs.get("add_generation_prompt", True),
+            "continue_final_message": bool(kwargs.get("continue_final_message", False)),
         }
 
     def render(
@@ -98,6 +109,10 @@ class K2ChatEncoder:
     def prompt_opens_thinking(self, **kwargs: Any) -> bool:
         # The K2 generation prompt stops before `<think>`: a thinking model writes it itself.
         return False
+
+    def model_opens_thinking(self, **kwargs: Any) -> bool:
+        """Whether a K2-Thinking model may start its answer with `<think>` (thinking requested)."""
+        return bool(kwargs.get("add_generation_prompt", True)) and thinking_enabled(kwargs, default=False)
 
 
 _ENCODERS: dict[str, ChatEncoder] = {"k3": K3ChatEncoder(), "k2": K2ChatEncoder()}

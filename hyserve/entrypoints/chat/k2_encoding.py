@@ -12,7 +12,13 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from hyserve.entrypoints.chat.k3_encoding import Segment, compact_json, deep_sort, encode_segments
+from hyserve.entrypoints.chat.k3_encoding import (
+    Segment,
+    check_continuable,
+    compact_json,
+    deep_sort,
+    encode_segments,
+)
 from hyserve.tokenizer import Tokenizer
 
 IM_END = "<|im_end|>"
@@ -81,6 +87,11 @@ class _CallIds:
         return f"functions.{message.get('name') or 'unknown'}:{self.count}"
 
 
+def next_call_index(messages: Sequence[dict]) -> int:
+    """The IDX of the next generated call: every call of the history counts once, as in `_CallIds`."""
+    return sum(len(m.get("tool_calls") or ()) for m in messages if m.get("role") == "assistant")
+
+
 def _arguments_text(arguments: Any) -> str:
     if arguments is None:
         return "{}"
@@ -119,8 +130,10 @@ def render_k2(
     *,
     thinking: bool = False,
     add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> list[Segment]:
     """The K2 prompt as segments; `thinking` selects the K2-Thinking rendering of assistant turns.
+    `continue_final_message` leaves the last (assistant) turn open, so the generation continues it.
 
     With thinking, turns up to the last final answer keep an empty think block (their reasoning is
     dropped) and the live tool loop after it keeps its reasoning.
@@ -132,6 +145,8 @@ def render_k2(
     if not messages or messages[0].get("role") != "system":
         segments += _turn_open("system", None)
         segments += [Segment(DEFAULT_SYSTEM_PROMPT), _marker(IM_END)]
+    if continue_final_message:
+        check_continuable(messages, add_generation_prompt)
     split = _last_final_answer(messages)
     ids = _CallIds()
     for i, message in enumerate(messages):
@@ -148,6 +163,8 @@ def render_k2(
             segments.append(Segment(_content_text(message.get("content"))))
         else:
             segments.append(Segment(_content_text(message.get("content"))))
+        if continue_final_message and i == len(messages) - 1:
+            break  # the turn stays open: no end marker
         segments.append(_marker(IM_END))
     if add_generation_prompt:
         segments += _turn_open("assistant", None)

@@ -320,8 +320,13 @@ def render_k3(
     tool_choice: Any = None,
     response_format: Any = None,
     add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> list[Segment]:
-    """The K3 prompt as segments. Raises ValueError for an unsupported effort or malformed input."""
+    """The K3 prompt as segments. Raises ValueError for an unsupported effort or malformed input.
+
+    `continue_final_message` leaves the last (assistant) message open inside its response, so the
+    generation continues its content; internal messages then go before that message.
+    """
     effort = DEFAULT_THINKING_EFFORT if thinking_effort is None else thinking_effort
     if thinking and effort not in THINKING_EFFORTS:
         raise ValueError(
@@ -332,7 +337,8 @@ def render_k3(
         segments += _tool_declare(list(tools))
     if thinking:
         segments += _internal_message("thinking-effort", _EFFORT_BODY.format(effort=effort))
-    segments += _messages(messages, thinking)
+    final = check_continuable(messages, add_generation_prompt) if continue_final_message else None
+    segments += _messages(messages[:-1] if final is not None else messages, thinking)
     if isinstance(tool_choice, str) and tool_choice in _TOOL_CHOICE_RULES:
         body = _TOOL_CHOICE_BODY.format(choice=tool_choice, rule=_TOOL_CHOICE_RULES[tool_choice])
         segments += _internal_message("tool-choice", body)
@@ -342,10 +348,32 @@ def render_k3(
     elif format_type == "json_schema":
         schema = compact_json(deep_sort(_response_schema(response_format)))
         segments += _internal_message("response-format", _JSON_SCHEMA_BODY.format(schema=schema))
-    if add_generation_prompt:
+    if final is not None:
+        # The whole message but its closing tags: think (if any) is closed, the response left open.
+        segments += _open("message", ("role", "assistant"))
+        if thinking:
+            segments += _open("think")
+            reasoning = final.get("reasoning_content") or final.get("reasoning")
+            if reasoning is not None and str(reasoning).strip():
+                segments += _text(reasoning)
+            segments += _close("think")
+        segments += _open("response")
+        segments += _content(final.get("content"))
+    elif add_generation_prompt:
         segments += _open("message", ("role", "assistant"))
         segments += _open("think" if thinking else "response")
     return segments
+
+
+def check_continuable(messages: Sequence[dict], add_generation_prompt: bool) -> dict:
+    """The final message that `continue_final_message` continues; ValueError when there is none."""
+    if add_generation_prompt:
+        raise ValueError("continue_final_message needs add_generation_prompt=false")
+    if not messages or messages[-1].get("role") != "assistant":
+        raise ValueError("continue_final_message needs the last message to be an assistant message")
+    if messages[-1].get("tool_calls"):
+        raise ValueError("continue_final_message cannot continue an assistant message with tool_calls")
+    return messages[-1]
 
 
 def render_text(segments: Sequence[Segment]) -> str:

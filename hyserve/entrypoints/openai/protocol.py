@@ -2,6 +2,8 @@
 
 Unknown request fields are ignored (clients send options meant for other servers); known fields are
 type-checked by pydantic, and range checks live in `SamplingParams`, so both surface as HTTP 400.
+Every known field takes effect or is rejected with a 400/501 naming it, except `user`, which is
+informational only (as in OpenAI's API).
 """
 
 from __future__ import annotations
@@ -62,7 +64,12 @@ class SamplingRequest(OpenAIModel):
     cache_salt: str | None = None
     priority: int = 0
     skip_special_tokens: bool = True
-    user: str | None = None
+    spaces_between_special_tokens: bool | None = None  # only False (hyserve's decoding) is accepted
+    prompt_logprobs: int | None = None
+    return_token_ids: bool = False
+    truncate_prompt_tokens: int | None = None  # keep the last N prompt tokens; -1: max_model_len
+    best_of: int | None = None  # only None or n: no server-side ranking
+    user: str | None = None  # informational only
 
 
 class CompletionRequest(SamplingRequest):

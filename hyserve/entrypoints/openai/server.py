@@ -21,6 +21,7 @@ import hyserve
 from hyserve.config import EngineConfig
 from hyserve.engine.engine_client import AsyncEngineClient
 from hyserve.entrypoints.chat import get_chat_encoder
+from hyserve.entrypoints.engine_args import cache_config_kwargs
 from hyserve.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -77,7 +78,20 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
               "enable_prefix_caching", "prefix_cache_second_hit", "prefix_cache_end_of_generation",
               "scheduling_policy")
     kwargs = {f: getattr(args, f) for f in fields if getattr(args, f, None) is not None}
-    return EngineConfig(**kwargs)
+    return EngineConfig(**kwargs, **cache_config_kwargs(args))
+
+
+def describe_config(cfg: EngineConfig, info: dict[str, Any]) -> str:
+    """The effective cache settings for the start-up log: env defaults resolved, engine-sized values filled in."""
+    offload = f"{cfg.cpu_offload_bytes / 2**30:g} GiB" if cfg.cpu_offload_bytes else "off"
+    return (f"prefix_caching={cfg.enable_prefix_caching} "
+            f"retention_interval={cfg.prefix_cache_retention_interval} "
+            f"second_hit={cfg.prefix_cache_second_hit} end_of_generation={cfg.prefix_cache_end_of_generation} "
+            f"kv_offloading={offload} num_gpu_blocks={info.get('num_blocks')}"
+            f"{' (override)' if cfg.num_gpu_blocks is not None else ''} "
+            f"num_state_slots={info.get('num_state_slots')} "
+            f"num_checkpoint_slots={info.get('num_checkpoint_slots', cfg.num_checkpoint_slots)} "
+            f"enforce_eager={cfg.enforce_eager} scheduling_policy={cfg.scheduling_policy}")
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -118,6 +132,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
             emit_reasoning_content=bool(getattr(args, "reasoning_content", False)), metrics=metrics,
         )
         log.info("engine ready: %s", client.info.get("cache_description"))
+        log.info("engine config: %s", describe_config(cfg, client.info))
         try:
             yield
         finally:

@@ -16,19 +16,24 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from hyserve.engine.structured import StructuredSpec
 from hyserve.entrypoints.chat import get_chat_encoder
 from hyserve.entrypoints.chat.tool_calls import Delta, make_output_parser
+from hyserve.entrypoints.openai.forced_tools import forced_tool_call_spec
 from hyserve.entrypoints.openai.protocol import APIError, ChatCompletionRequest
 from hyserve.entrypoints.openai.serving_common import (
     ServerState,
     build_params,
+    check_request,
     collect,
     error_event,
     merge,
     new_id,
+    prompt_logprobs_json,
     resolve_max_tokens,
     sse,
     structured_constraint,
     submit,
+    truncate_prompt,
     usage,
+    usage_flags,
 )
 
 
@@ -150,11 +155,18 @@ def _finish_reason(c: _Completion) -> str | None:
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request):
     state.check_model(req.model)
+    check_request(state, req)
+    # skip_special_tokens needs no handling: the output parsers always read the special ids (spec §2: an
+    # active parser forces skip_special_tokens=false), so clients that send false get what they asked for
     encoder = get_chat_encoder(state.chat_encoding)
     functions = _tool_functions(req)
     choice, forced = _tool_choice(req, functions)
     kwargs: dict[str, Any] = dict(req.chat_template_kwargs or {})
     kwargs.setdefault("add_generation_prompt", req.add_generation_prompt)
+    kwargs.setdefault("continue_final_message", req.continue_final_message)
+    if kwargs["continue_final_message"] and kwargs["add_generation_prompt"]:
+        raise APIError(400, "continue_final_message needs add_generation_prompt=false",
+                       param="continue_final_message")
     if req.reasoning_effort is not None:
         kwargs.setdefault("reasoning_effort", req.reasoning_effort)
     if req.tool_choice is not None:
@@ -165,16 +177,15 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         ids = encoder.encode(state.tokenizer, req.messages, req.tools or None, **kwargs)
     except (ValueError, KeyError, TypeError) as e:
         raise APIError(400, f"invalid messages: {e}", param="messages") from e
+    ids = truncate_prompt(state, req, ids)
     opens_thinking = encoder.prompt_opens_thinking(**kwargs)
     stop_ids = encoder.stop_token_ids(state.tokenizer)
     k3 = state.chat_encoding == "k3"
     reasoning = state.chat_encoding if opens_thinking else None
     spec = None
-    if choice == "required" and k3:
-        tools = [{"name": f["name"], "parameters": f.get("parameters") or {"type": "object", "properties": {}}}
-                 for f in forced]
-        spec = StructuredSpec("tool_call", {"tools": tools, "parallel": req.parallel_tool_calls}, wrapper="k3",
-                              open_response=opens_thinking, reasoning=reasoning, end_token_ids=stop_ids)
+    if choice == "required":
+        spec = forced_tool_call_spec(encoder, state.tokenizer, forced, req.messages,
+                                     parallel=req.parallel_tool_calls, kwargs=kwargs)
     elif (constraint := structured_constraint(req)) is not None:
         spec = StructuredSpec(constraint[0], constraint[1], wrapper="k3" if k3 else None,
                               open_response=opens_thinking, reasoning=reasoning, end_token_ids=stop_ids)
@@ -186,7 +197,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     # The parsers need the markers: special tokens stay in (serving.md §2, common rules).
     # ignore_eos (benchmarks asking for exact output lengths) also ignores the end-of-message markers.
     params = build_params(req, max_tokens=max_tokens, logprobs=k, stop_token_ids=[] if req.ignore_eos else stop_ids,
-                          structured=spec, skip_special_tokens=False)
+                          structured=spec, skip_special_tokens=False, prompt_logprobs=req.prompt_logprobs)
     rid = new_id("chatcmpl")
     stream = await submit(state, rid, ids, params, req)
     tools_enabled = bool(functions) and choice != "none"
@@ -195,12 +206,13 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
              for _ in range(req.n)]
     created = int(time.time())
     if req.stream:
-        gen = _stream(state, req, rid, created, len(ids), stream, comps, k)
+        gen = _stream(state, req, rid, created, ids, stream, comps, k)
         return StreamingResponse(gen, media_type="text/event-stream")
     (deltas,) = await collect([stream], request)
-    cached = 0
+    cached, prompt_lps = 0, None
     for d in deltas:
         cached = d.num_cached_tokens if d.finished else cached
+        prompt_lps = d.prompt_logprobs if d.prompt_logprobs is not None else prompt_lps
         for c in d.completions:
             comp = comps[c.index]
             comp.ids += c.token_ids
@@ -217,11 +229,25 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                                    "tool_calls": [t.to_openai() for t in parsed.tool_calls]}
         if state.emit_reasoning_content:
             message["reasoning_content"] = parsed.reasoning
-        choices.append({"index": i, "message": message, "logprobs": _logprobs_block(state, comp, k),
-                        "finish_reason": _finish_reason(comp) or "abort", "stop_reason": comp.stop})
+        choice = {"index": i, "message": message, "logprobs": _logprobs_block(state, comp, k),
+                  "finish_reason": _finish_reason(comp) or "abort", "stop_reason": comp.stop}
+        if req.return_token_ids:
+            choice["token_ids"] = comp.ids
+        choices.append(choice)
     body = {"id": rid, "object": "chat.completion", "created": created, "model": state.served_model_name,
             "choices": choices, "usage": usage(len(ids), sum(len(c.ids) for c in comps), cached)}
+    body.update(_prompt_fields(req, ids, prompt_lps))
     return JSONResponse(body)
+
+
+def _prompt_fields(req: ChatCompletionRequest, ids: list[int], prompt_lps: list | None) -> dict[str, Any]:
+    """Top-level prompt fields (vLLM's places): `prompt_logprobs` and, with return_token_ids, the prompt ids."""
+    out: dict[str, Any] = {}
+    if req.prompt_logprobs is not None:
+        out["prompt_logprobs"] = prompt_logprobs_json(prompt_lps)
+    if req.return_token_ids:
+        out["prompt_token_ids"] = ids
+    return out
 
 
 def _logprobs_block(state: ServerState, comp: _Completion, k: int | None) -> dict | None:
@@ -247,16 +273,25 @@ def _delta_body(state: ServerState, delta: Delta, comp: _Completion) -> dict[str
     return body
 
 
-async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, created: int, prompt_len: int,
+async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, created: int, prompt_ids: list[int],
                   stream, comps: list[_Completion], k: int | None) -> AsyncIterator[str]:
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    include_usage, continuous = usage_flags(req)
+    prompt_len = len(prompt_ids)
     cached = 0
+    prompt_sent = False
 
-    def chunk(choices: list[dict]) -> str:
+    def chunk(choices: list[dict], prompt_lps: list | None) -> str:
+        nonlocal prompt_sent
         body = {"id": rid, "object": "chat.completion.chunk", "created": created,
                 "model": state.served_model_name, "choices": choices}
-        if include_usage:
+        if continuous:
+            body["usage"] = usage(prompt_len, sum(len(c.ids) for c in comps), cached)
+        elif include_usage:
             body["usage"] = None
+        # The prompt fields ride on the first chunk that can carry them (prompt logprobs come after prefill).
+        if not prompt_sent and (prompt_lps is not None or req.prompt_logprobs is None):
+            prompt_sent = True
+            body.update(_prompt_fields(req, prompt_ids, prompt_lps))
         return sse(body)
 
     try:
@@ -278,15 +313,18 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, crea
                     delta = comp.trim.push(delta)
                 body = _delta_body(state, delta, comp)
                 lps = _chat_logprobs(state, c.token_ids, c.logprobs, k)
-                if not body and not c.finish_reason and not lps:
+                ids_out = req.return_token_ids and c.token_ids
+                if not body and not c.finish_reason and not lps and not ids_out:
                     continue
                 choice = {"index": c.index, "delta": body, "logprobs": None if lps is None else {"content": lps},
                           "finish_reason": _finish_reason(comp) if c.finish_reason else None}
                 if c.finish_reason:
                     choice["stop_reason"] = comp.stop
+                if req.return_token_ids:
+                    choice["token_ids"] = c.token_ids
                 choices.append(choice)
-            if choices:
-                yield chunk(choices)
+            if choices or d.prompt_logprobs is not None:
+                yield chunk(choices, d.prompt_logprobs)
         if include_usage:
             u = usage(prompt_len, sum(len(c.ids) for c in comps), cached)
             yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,

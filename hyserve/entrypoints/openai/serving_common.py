@@ -74,8 +74,45 @@ def resolve_max_tokens(state: ServerState, prompt_len: int, requested: int | Non
     return requested
 
 
+def check_request(state: ServerState, req: SamplingRequest) -> None:
+    """Reject fields that are accepted by the schema but cannot take effect on this server."""
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError(400, f"best_of={req.best_of} is not supported (completions are not ranked); "
+                       "leave it out or set it to n", param="best_of")
+    if req.priority != 0 and state.client.cfg.scheduling_policy != "priority":
+        raise APIError(400, "priority needs a server started with --scheduling-policy priority", param="priority")
+    if req.truncate_prompt_tokens is not None and req.truncate_prompt_tokens < 1 \
+            and req.truncate_prompt_tokens != -1:
+        raise APIError(400, f"truncate_prompt_tokens must be -1 or at least 1, got {req.truncate_prompt_tokens}",
+                       param="truncate_prompt_tokens")
+
+
+def truncate_prompt(state: ServerState, req: SamplingRequest, ids: list[int]) -> list[int]:
+    """The last `truncate_prompt_tokens` ids (-1: the last max_model_len), as vLLM truncates."""
+    n = req.truncate_prompt_tokens
+    if n is None:
+        return ids
+    n = state.max_model_len if n == -1 else n
+    return ids[-n:]
+
+
+def prompt_logprobs_json(entries: list | None) -> list | None:
+    """vLLM's shape: one entry per prompt token (the first None), `{token_id: {logprob, rank, decoded_token}}`."""
+    if entries is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                                   for t, lp in e.items()} for e in entries]
+
+
+def usage_flags(req: SamplingRequest) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats): a final usage chunk; usage on every chunk."""
+    so = req.stream_options
+    return bool(so and so.include_usage), bool(so and so.continuous_usage_stats)
+
+
 def build_params(req: SamplingRequest, *, max_tokens: int, logprobs: int | None, stop_token_ids: list[int],
-                 structured: StructuredSpec | None, skip_special_tokens: bool) -> SamplingParams:
+                 structured: StructuredSpec | None, skip_special_tokens: bool,
+                 prompt_logprobs: int | None = None) -> SamplingParams:
     try:
         return SamplingParams(
             n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
@@ -87,7 +124,7 @@ def build_params(req: SamplingRequest, *, max_tokens: int, logprobs: int | None,
             repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias, max_tokens=max_tokens,
             min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, logprobs=logprobs,
             skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=not skip_special_tokens,
-            structured=structured,
+            structured=structured, prompt_logprobs=prompt_logprobs,
         )
     except ValueError as e:
         raise APIError(400, str(e)) from e

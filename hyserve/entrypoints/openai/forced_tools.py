@@ -1,0 +1,37 @@
+"""`tool_choice` "required" or a named function, enforced by structured decoding (serving.md §2).
+
+K3 forces XTML call blocks; K2 forces a tool-call section. Either way the grammar writes the markers as
+their special ids, so the output parser always finds the calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from hyserve.engine.structured import StructuredSpec
+from hyserve.entrypoints.chat import ChatEncoder
+from hyserve.entrypoints.chat.k2_encoding import IM_END, next_call_index
+from hyserve.tokenizer import Tokenizer
+
+
+def forced_tool_call_spec(
+    encoder: ChatEncoder, tokenizer: Tokenizer, functions: Sequence[dict], messages: Sequence[dict], *,
+    parallel: bool, kwargs: dict[str, Any],
+) -> StructuredSpec:
+    """The constraint for a forced call to one of `functions` (the named one alone, for a named choice).
+
+    A function without `parameters` takes any JSON object. `kwargs` are the encoder's options.
+    """
+    tools = [{"name": f["name"], "parameters": f.get("parameters") or {"type": "object", "properties": {}}}
+             for f in functions]
+    opens_thinking = encoder.prompt_opens_thinking(**kwargs)
+    reasoning = encoder.family if opens_thinking else None
+    if encoder.family == "k3":
+        return StructuredSpec("tool_call", {"tools": tools, "parallel": parallel}, wrapper="k3",
+                              open_response=opens_thinking, reasoning=reasoning,
+                              end_token_ids=encoder.stop_token_ids(tokenizer))
+    # K2: the section is the whole answer, so the turn ends right after it with `<|im_end|>` (not [EOS]).
+    value = {"tools": tools, "parallel": parallel, "first_index": next_call_index(messages)}
+    return StructuredSpec("tool_call", value, reasoning=reasoning, end_token_ids=[tokenizer.special_id(IM_END)],
+                          think_prefix=not opens_thinking and encoder.model_opens_thinking(**kwargs))
