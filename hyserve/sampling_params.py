@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,6 +12,14 @@ from typing import Any
 SAMPLING_EPS = 1e-5
 # The OpenAI API caps top_logprobs at 20; a larger k would also make every step's top-k costly.
 MAX_LOGPROBS = 20
+# vLLM's default VLLM_MAX_N_SEQUENCES: every completion is a sequence the engine builds up front, so an
+# unbounded n (10**9) would exhaust the engine's memory instead of failing the one request.
+MAX_N = 16384
+# Seeds are int64, as in vLLM's API; the engine seeds completion i with seed + i.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+# OpenAI's documented logit_bias range (vLLM clamps to it too): a larger bias already forces or bans
+# the token, and an overflowing one (1e308) would turn the logits into NaN.
+MAX_LOGIT_BIAS = 100.0
 
 
 class SamplingType(enum.IntEnum):
@@ -78,10 +87,20 @@ class SamplingParams:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             except (TypeError, ValueError) as e:
                 raise ValueError(f"logit_bias keys must be token ids, got {self.logit_bias!r}") from e
+            if not all(math.isfinite(v) for v in self.logit_bias.values()):
+                raise ValueError(f"logit_bias values must be finite numbers, got {self.logit_bias}")
+            self.logit_bias = {k: min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, v)) for k, v in self.logit_bias.items()}
 
     def _validate(self) -> None:
-        if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
+        # NaN passes every comparison below and inf slips past the one-sided ones; either turns the
+        # logits into NaN, and the request would silently return token 0 over and over.
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_MAX}], got {self.seed}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:

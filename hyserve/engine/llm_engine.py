@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -109,6 +110,15 @@ class LLMEngine:
             out_of_range = [t for t in params.logit_bias if not 0 <= t < self.model_config.vocab_size]
             if out_of_range:
                 raise ValueError(f"logit_bias token ids out of range: {out_of_range[:5]}")
+        vocab = self.model_config.vocab_size
+        # min_tokens masks the stop ids by index, so an id past the vocabulary would fail the engine step
+        # (and with it every running request); it could never be sampled anyway.
+        bad_stops = [t for t in params.stop_token_ids or () if not 0 <= t < vocab]
+        if bad_stops:
+            raise ValueError(f"stop_token_ids out of range [0, {vocab}): {bad_stops[:5]}")
+        if params.top_k >= vocab:
+            # Keeping the whole vocabulary is "off"; a huge k (2**70) would not even fit the int64 tensor.
+            params = dataclasses.replace(params, top_k=0)
         arrival = arrival_time or time.time()
         parent = _Parent(request_id, text, ids)
         for i in range(params.n):

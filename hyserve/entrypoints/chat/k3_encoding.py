@@ -115,6 +115,8 @@ def _content(content: Any) -> Iterator[Segment]:
         yield from _text(content)
         return
     for part in content:
+        if not isinstance(part, dict):
+            raise ValueError(f"content parts must be objects like {{\"type\": \"text\", \"text\": ...}}, got {part!r}")
         kind = part.get("type")
         if kind in ("image", "image_url"):
             yield _marker(IMAGE_PLACEHOLDER)

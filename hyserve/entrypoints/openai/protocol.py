@@ -149,7 +149,8 @@ class ErrorResponse(BaseModel):
 
 
 ERROR_TYPES = {
-    400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 500: "InternalServerError",
+    400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+    500: "InternalServerError",
     501: "NotImplementedError", 503: "ServiceUnavailableError",
 }
 

@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import hyserve
 from hyserve.config import EngineConfig
@@ -153,6 +154,19 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         message, param = _validation_message(exc)
         return JSONResponse(APIError(400, message, param).body(), status_code=400)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Routing (404/405) and body-parsing errors (bad UTF-8, nesting too deep) get the OpenAI error
+        # shape too, not FastAPI's {"detail": ...}, so clients can read them like every other error.
+        err = APIError(exc.status_code, str(exc.detail), headers=exc.headers)
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(UnicodeEncodeError)
+    async def _unencodable_text(_: Request, exc: UnicodeEncodeError) -> JSONResponse:
+        # JSON allows escaped lone surrogates ("\ud800"), which no tokenizer can encode: the client's fault.
+        message = f"the request holds text that is not valid Unicode: {exc.reason} at {exc.object[exc.start:exc.end]!r}"
+        return JSONResponse(APIError(400, message).body(), status_code=400)
+
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
@@ -193,7 +207,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
             kwargs.setdefault("add_generation_prompt", req.add_generation_prompt)
             try:
                 ids = get_chat_encoder(s.chat_encoding).encode(s.tokenizer, req.messages, req.tools, **kwargs)
-            except (ValueError, KeyError, TypeError) as e:
+            except (ValueError, KeyError, TypeError, AttributeError) as e:  # as in chat: malformed messages
                 raise APIError(400, f"invalid messages: {e}", param="messages") from e
         elif req.prompt is not None:
             ids = s.tokenizer.encode(req.prompt)

@@ -60,8 +60,9 @@ def _tool_choice(req: ChatCompletionRequest, functions: list[dict]) -> tuple[str
         if choice == "required" and not functions:
             raise APIError(400, "tool_choice 'required' needs at least one tool", param="tool_choice")
         return choice, functions
-    name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
-    if not name:
+    fn = choice.get("function") if choice.get("type") == "function" else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str) or not name:
         raise APIError(400, "a named tool_choice must be {\"type\": \"function\", \"function\": {\"name\": ...}}",
                        param="tool_choice")
     named = [f for f in functions if f["name"] == name]
@@ -158,6 +159,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     check_request(state, req)
     # skip_special_tokens needs no handling: the output parsers always read the special ids (spec §2: an
     # active parser forces skip_special_tokens=false), so clients that send false get what they asked for
+    _reject_images(req.messages)
     encoder = get_chat_encoder(state.chat_encoding)
     functions = _tool_functions(req)
     choice, forced = _tool_choice(req, functions)
@@ -175,7 +177,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         kwargs.setdefault("response_format", req.response_format.model_dump(exclude_none=True))
     try:
         ids = encoder.encode(state.tokenizer, req.messages, req.tools or None, **kwargs)
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # AttributeError: a list where a dict belongs
         raise APIError(400, f"invalid messages: {e}", param="messages") from e
     ids = truncate_prompt(state, req, ids)
     opens_thinking = encoder.prompt_opens_thinking(**kwargs)
@@ -336,3 +338,15 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, crea
 
 def _cat(a: str | None, b: str | None) -> str | None:
     return None if a is None and b is None else (a or "") + (b or "")
+
+
+def _reject_images(messages: list) -> None:
+    """hyserve serves no vision tower: an image would reach the model as a bare placeholder token, so say so
+    instead of dropping it."""
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list) and any(
+            isinstance(p, dict) and p.get("type") in ("image", "image_url", "input_image") for p in content
+        ):
+            raise APIError(400, f"messages[{i}] has an image part, but this server does not accept images",
+                           param="messages")
