@@ -108,6 +108,27 @@ def test_abort_during_decode_frees_every_page_and_slot(make_engine):
     assert_pool_empty(engine)
 
 
+def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(make_engine, monkeypatch):
+    engine = make_engine()
+    real = engine.runner.execute
+
+    def broken(out):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(engine.runner, "execute", broken)
+    engine.add_request("bad", [1, 2, 3, 4], GREEDY)
+    (failed,) = engine.step()
+    assert failed.finished and "kernel exploded" in failed.error
+    assert failed.outputs[0].finish_reason == "error"
+    monkeypatch.setattr(engine.runner, "execute", real)
+    engine.add_request("good", [1, 2, 3, 4], GREEDY)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs.extend(engine.step())
+    assert outs[-1].finished and outs[-1].error is None and len(outs[-1].outputs[0].token_ids) == GREEDY.max_tokens
+    assert_pool_empty(engine)
+
+
 # ---- a bad request fails alone -------------------------------------------------------------------
 
 

@@ -167,6 +167,13 @@ class LLMEngine:
         if not out.seqs:
             return self._unschedulable()
         touched = {s.req for s in out.seqs}
+        try:
+            self._run_step(out)
+        except Exception as e:  # a bug or bad state in one step must not take the engine down
+            return self._fail_step(touched, e)
+        return self._outputs(touched)
+
+    def _run_step(self, out: SchedulerOutput) -> None:
         if self.prefix_cache is not None:
             self.prefix_cache.before_step(out)  # queued cache copies land before the forward reads them
         logits = self.runner.execute(out)
@@ -186,6 +193,16 @@ class LLMEngine:
         if self.prefix_cache is not None:
             self.prefix_cache.after_step(out)
         self.stats.last_step_tokens = out.num_tokens
+
+    def _fail_step(self, touched: set[Request], error: Exception) -> list[RequestOutput]:
+        """Fail the step's requests and free their resources; the other requests go on."""
+        log.exception("engine step failed; failing its %d requests", len(touched))
+        for req in touched:
+            if req.is_finished:
+                continue
+            req.error = f"internal error in the engine step: {type(error).__name__}: {error}"
+            req.fresh_state = True  # its cache contents are suspect: never snapshot or register them
+            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
         return self._outputs(touched)
 
     def _unschedulable(self) -> list[RequestOutput]:
