@@ -5,12 +5,13 @@ The offline API mirrors vLLM's (`LLM`, `SamplingParams`, `RequestOutput`) so scr
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 
 from hyserve.config import DEFAULT_MODEL, EngineConfig
 from hyserve.outputs import CompletionOutput, Logprob, RequestOutput
-from hyserve.sampling_params import SamplingParams
+from hyserve.sampling_params import RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "EngineConfig", "__version__"]
@@ -58,7 +59,8 @@ class LLM:
             rid = str(next(self._ids))
             order.append(rid)
             try:
-                self.engine.add_request(rid, prompt, p)
+                # only final outputs are kept here: spare the engine a cumulative copy per request per step
+                self.engine.add_request(rid, prompt, dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY))
             except ValueError as e:
                 results[rid] = RequestOutput(rid, prompt if isinstance(prompt, str) else None, None, None,
                                              [CompletionOutput(0, "", [], None, None, "error")], True, error=str(e))

@@ -7,6 +7,14 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+
+class RequestOutputKind(enum.IntEnum):
+    """Which outputs the engine emits for a request (vLLM's names)."""
+
+    CUMULATIVE = 0  # after every step, everything generated so far
+    FINAL_ONLY = 2  # once, when the request finishes (offline generate: no per-step copies)
+
+
 # Below this temperature a request is greedy: dividing logits by ~0 would overflow, and the
 # distribution is a point mass on the argmax anyway.
 SAMPLING_EPS = 1e-5
@@ -61,6 +69,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     structured: Any = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self._normalise()

@@ -129,6 +129,29 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(make_eng
     assert_pool_empty(engine)
 
 
+def test_n_greater_than_one_keeps_request_ids_that_contain_the_child_separator(make_engine):
+    engine = make_engine()
+    engine.add_request("user#7", [1, 2, 3], SamplingParams(n=2, temperature=0.0, max_tokens=3, ignore_eos=True))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs.extend(engine.step())
+    assert {o.request_id for o in outs} == {"user#7"}
+    assert outs[-1].finished and [len(c.token_ids) for c in outs[-1].outputs] == [3, 3]
+    assert_pool_empty(engine)
+
+
+def test_final_only_requests_emit_a_single_output(make_engine):
+    from hyserve.sampling_params import RequestOutputKind
+
+    engine = make_engine()
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+    engine.add_request("r", [1, 2, 3], params)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs.extend(engine.step())
+    assert len(outs) == 1 and outs[0].finished and len(outs[0].outputs[0].token_ids) == 5
+
+
 # ---- a bad request fails alone -------------------------------------------------------------------
 
 

@@ -18,7 +18,7 @@ from hyserve.engine.sampler import Sampler, SamplingMetadata, compute_prompt_log
 from hyserve.engine.scheduler import Scheduler, SchedulerOutput
 from hyserve.models.loader import load_model, resolve_dtype
 from hyserve.outputs import CompletionOutput, Logprob, RequestOutput
-from hyserve.sampling_params import SamplingParams
+from hyserve.sampling_params import RequestOutputKind, SamplingParams
 from hyserve.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -130,6 +130,7 @@ class LLMEngine:
             if params.seed is not None:
                 child.generator = torch.Generator(device=self.device).manual_seed(params.seed + i)
             child.extra["index"] = i
+            child.extra["parent"] = request_id
             child.extra["detok"] = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
             child.extra["text"] = ""
             parent.children.append(child)
@@ -323,12 +324,16 @@ class LLMEngine:
     def _outputs(self, touched: set[Request]) -> list[RequestOutput]:
         seen, outs = set(), []
         for req in touched:
-            rid = req.request_id.split("#")[0] if req.params.n > 1 else req.request_id
+            rid = req.extra["parent"]
             if rid in seen or rid not in self.parents:
                 continue
             seen.add(rid)
-            outs.append(self.make_output(self.parents[rid]))
-            if outs[-1].finished:
+            parent = self.parents[rid]
+            finished = all(c.is_finished for c in parent.children)
+            if not finished and req.params.output_kind == RequestOutputKind.FINAL_ONLY:
+                continue
+            outs.append(self.make_output(parent))
+            if finished:
                 del self.parents[rid]
         self.stats.num_running = len(self.scheduler.running)
         self.stats.num_waiting = len(self.scheduler.waiting)
