@@ -5,9 +5,9 @@ import math
 
 import httpx
 import pytest
+from bench_fake_server import FakeServer, FakeServerConfig
 
 from hyserve.bench.datasets import ids_to_text, random_dataset, sample_lengths
-from hyserve.bench.fake_server import FakeServer, FakeServerConfig
 from hyserve.bench.metrics import (
     RequestResult,
     compute_agentic_metrics,

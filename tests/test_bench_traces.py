@@ -6,9 +6,9 @@ import math
 
 import numpy as np
 import pytest
+from bench_fake_server import FakeServer, FakeServerConfig
 
 from hyserve.bench.cli import main as bench_main
-from hyserve.bench.fake_server import FakeServer, FakeServerConfig
 from hyserve.bench.plots import pareto_front
 from hyserve.bench.replay import BlockFiller, ReplayConfig, run_replay
 from hyserve.bench.serve_client import EndpointConfig

@@ -5,7 +5,7 @@ hit rates can be checked against the theoretical ones), exports the §4 prefix-c
 /metrics, and can be told to fail requests. Not a server for anything else: HTTP/1.1 with
 `Connection: close` on every response keeps the parser trivial.
 
-    python -m hyserve.bench.fake_server --port 8011
+    python tests/bench_fake_server.py --port 8011
 """
 
 from __future__ import annotations
