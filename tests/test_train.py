@@ -1,7 +1,10 @@
-"""The embedded model's training pipeline: data, tokenizer, masks, a few CPU steps, checkpoint round trip."""
+"""The embedded model's training pipeline: data, tokenizer, masks, fixed-shape steps, the batched training
+layers against the reference layers, a few CPU steps, checkpoint round trip, and the whole `all` run."""
 
 from __future__ import annotations
 
+import json
+import os
 import random
 
 import pytest
@@ -20,6 +23,8 @@ from hyserve.train.data import (
     split_modules,
     tool_messages,
 )
+from hyserve.train.packed import dense_experts, masked_lm_loss, row_batch, row_lm_loss, scratch_cache, training_kernels
+from hyserve.train.rows import IGNORE, RowBatch, row_batches
 from hyserve.train.trainer import TrainConfig, k3_config, new_model, save_checkpoint, train
 
 MODULES = ["json", "textwrap"]
@@ -101,10 +106,85 @@ def test_a_few_cpu_steps_lower_the_loss_and_the_checkpoint_round_trips(corpus, t
     torch.manual_seed(0)
     model = new_model(raw, "cpu")
     examples = [(ids[:48], [1] * len(ids[:48])) for ids in (tok.encode(c) for c in corpus.code[:4])]
-    cfg = TrainConfig(lr=1e-2, warmup_steps=1, batch_tokens=10**6, max_steps=6, log_every=1)
-    losses = train(model, examples, cfg, progress=False)
+    cfg = TrainConfig(lr=1e-2, warmup_steps=1, rows=2, row_len=64, max_steps=6, log_every=1)
+    losses = train(model, examples, cfg, pad_id=15, progress=False).losses
     assert losses[-1] < losses[0] - 0.3
     save_checkpoint(model, raw, tok_dir, str(tmp_path / "ckpt"), dtype=torch.float32, shard_bytes=1 << 20)
     loaded = load_model(str(tmp_path / "ckpt"))
     ids = examples[0][0][:20]
     torch.testing.assert_close(loaded.score(ids), model.score(ids))
+
+
+def test_every_step_has_the_same_shape_and_trains_only_on_real_next_tokens():
+    rng = random.Random(0)
+    examples = [([rng.randrange(20, 99) for _ in range(n)], [rng.randrange(2) for _ in range(n)])
+                for n in [rng.randrange(2, 300) for _ in range(60)]]
+    steps = [b for b, _ in zip(row_batches(examples, rows=3, row_len=128, pad_id=7), range(20))]
+    assert {(b.ids.shape, b.targets.shape, b.rows, b.row_len) for b in steps} == {((384,), (384,), 3, 128)}
+    trained = {(i, t) for ids, mask in examples for j, (i, t) in enumerate(zip(ids, ids[1:])) if mask[j + 1]}
+    for b in steps:
+        for j in range(b.ids.numel() - 1):
+            t = int(b.targets[j])
+            if t != IGNORE:  # a trained target is the next token of the same example, under its mask
+                assert t == int(b.ids[j + 1]) and (int(b.ids[j]), t) in trained
+            if int(b.ids[j]) == 7:
+                assert t == IGNORE  # padding trains nothing
+        assert all(int(b.targets[(r + 1) * 128 - 1]) == IGNORE for r in range(3))  # nothing across rows
+
+
+def _toy_model():
+    raw = k3_config("toy", 100, 0, [2], 15)
+    torch.manual_seed(0)
+    return new_model(raw, "cpu")
+
+
+def test_the_batched_training_layers_compute_the_reference_function(one_thread):
+    model = _toy_model()
+    with torch.no_grad():  # random router bias and AttnRes queries, so routing and mixing are not trivial
+        for name, p in model.named_parameters():
+            if name.endswith(("e_score_correction_bias", "res.proj")):
+                p.normal_(0, 0.5)
+    rng = random.Random(1)
+    rb = RowBatch(torch.tensor([rng.randrange(100) for _ in range(3 * 64)]),
+                  torch.tensor([rng.randrange(100) for _ in range(3 * 64)]), 3, 64)
+    batch = row_batch(3, 64, torch.device("cpu"))
+    with torch.no_grad():
+        ref = row_lm_loss(model, rb, batch, scratch_cache(model, batch))
+        with training_kernels(model):
+            fast = row_lm_loss(model, rb, batch, scratch_cache(model, batch))
+        # and equal to scoring each row alone from an empty state, as the server would
+        seqs = rb.ids.view(3, 64).tolist()
+        alone = masked_lm_loss(model, seqs, [[1] * 64] * 3)[0]
+        targets_alone = torch.cat([rb.ids.view(3, 64)[:, 1:], torch.full((3, 1), IGNORE)], 1).reshape(-1)
+        per_row = row_lm_loss(model, RowBatch(rb.ids, targets_alone, 3, 64), batch, scratch_cache(model, batch))
+    torch.testing.assert_close(fast, ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(per_row, alone, rtol=1e-4, atol=1e-4)
+
+
+def test_dense_experts_equal_the_sparse_dispatch():
+    from hyserve.models.layers.activation import GLU
+    from hyserve.ops.moe import experts_forward
+
+    torch.manual_seed(0)
+    x, w13, w2 = torch.randn(40, 16), torch.randn(4, 24, 16), torch.randn(4, 16, 12)
+    ids = torch.stack([torch.randperm(4)[:2] for _ in range(40)])
+    w = torch.rand(40, 2)
+    torch.testing.assert_close(dense_experts(x, ids, w, w13, w2, GLU()), experts_forward(x, ids, w, w13, w2, GLU()),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_the_all_command_runs_end_to_end_and_writes_the_outputs(tmp_path, one_thread):
+    from hyserve.train.__main__ import main
+
+    out = tmp_path / "out" / "hyserve-tiny-k3"
+    main(["all", "--out", str(out), "--work", str(tmp_path / "work"), "--size", "toy", "--modules",
+          "json,textwrap,getopt,difflib", "--vocab-size", "600", "--rows", "2", "--row-len", "128",
+          "--budget-minutes", "0.05", "--eval-n", "4", "--device", "cpu", "--log-every", "50"])
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(out))
+    summary = json.load(open(tmp_path / "out" / "summary.json"))
+    assert summary["train"]["steps"] > 0 and summary["eval"]["n"] == 4
+    assert {"code_ppl", "chat_ppl", "tool_call_rate", "signature_after_tool"} <= set(summary["eval"])
+    assert (tmp_path / "work" / "summary.md").read_text().startswith("# hyserve-tiny-k3 training run")
+    main(["expected", "--model", str(out), "--out", str(tmp_path / "expected.json"), "--prompt", "import json\\n"])
+    expected = json.load(open(tmp_path / "expected.json"))
+    assert expected["prompt"] == "import json\n" and isinstance(expected["completion"], str)

@@ -1,7 +1,9 @@
-"""`python -m hyserve.train prepare|fit`: build the stdlib corpus + tokenizer, then train a checkpoint.
+"""`python -m hyserve.train prepare|fit|all|expected` (hyserve/train/README.md has the device command).
 
     python -m hyserve.train prepare --out .traindata            # corpus, BPE, encoded examples (CPU)
     python -m hyserve.train fit --data .traindata --out ckpt --time-budget 360 [--size small]
+    python -m hyserve.train all --out $OUT/hyserve-tiny-k3 --deadline-minutes 9.5   # all of it, then eval
+    python -m hyserve.train expected --model hyserve/assets/hyserve-tiny-k3        # the test's completion
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ def load_examples(path: str) -> list[tuple[list[int], list[int]]]:
 
 
 def prepare(out: str, vocab_size: int, modules: list[str] | None = None) -> None:
+    """Corpus from `modules` (default: the whole stdlib here), BPE, encoded examples, the held-out split."""
     from hyserve.tokenizer import load_tokenizer
     from hyserve.train.bpe import save_tokenizer, train_bpe
     from hyserve.train.data import build_corpus, encode_corpus, split_modules, stdlib_modules
@@ -53,17 +56,25 @@ def prepare(out: str, vocab_size: int, modules: list[str] | None = None) -> None
     print(f"prepared {out}: {len(corpus.symbols)} train symbols, {len(held.symbols)} held-out, {n} lines")
 
 
-def fit(args: argparse.Namespace) -> None:
+def model_config(args: argparse.Namespace, tok) -> dict:
+    from hyserve.train.trainer import k3_config
+
+    return k3_config(args.size, tok.vocab_size, tok.special_id("[BOS]"),
+                     [tok.special_id("<|end_of_msg|>"), tok.special_id("[EOS]")], tok.special_id("<|reserved_token_4|>"))
+
+
+def fit(args: argparse.Namespace, deadline: float = float("inf")) -> dict:
+    """Train on prepared data and save the checkpoint; returns what train_log.json holds."""
     from hyserve.tokenizer import load_tokenizer
-    from hyserve.train.trainer import TrainConfig, k3_config, new_model, save_checkpoint, train
+    from hyserve.train.trainer import TrainConfig, new_model, save_checkpoint, train
 
     tok = load_tokenizer(args.data, "k3")
-    raw = k3_config(args.size, tok.vocab_size, tok.special_id("[BOS]"),
-                    [tok.special_id("<|end_of_msg|>"), tok.special_id("[EOS]")], tok.special_id("<|reserved_token_4|>"))
+    raw = model_config(args, tok)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(args.seed)
     model = new_model(raw, device, args.seed)
-    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters on {device}", flush=True)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model: {n_params / 1e6:.1f}M parameters on {device}", flush=True)
     examples = load_examples(os.path.join(args.data, "train.pt"))
     if args.check:  # the fla training path against the torch reference, same weights, one small batch
         from hyserve.ops.dispatch import reference_ops
@@ -76,15 +87,77 @@ def fit(args: argparse.Namespace) -> None:
             with reference_ops():
                 ref = masked_lm_loss(model, [e[0] for e in few], [e[1] for e in few])[0].item()
         print(f"check: fla path used={used} loss {fast:.5f}, reference {ref:.5f}", flush=True)
-    cfg = TrainConfig(lr=args.lr, batch_tokens=args.batch_tokens, max_steps=args.max_steps,
-                      time_budget_s=args.time_budget, seed=args.seed)
+    cfg = TrainConfig(lr=args.lr, rows=args.rows, row_len=args.row_len, max_steps=args.max_steps,
+                      time_budget_s=args.time_budget, seed=args.seed, log_every=args.log_every)
     t0 = time.perf_counter()
-    losses = train(model, examples, cfg, use_fla=not args.no_fla)
-    print(f"trained {time.perf_counter() - t0:.0f}s; loss first {losses[0]:.3f} last {losses[-1]:.3f}", flush=True)
+    log = train(model, examples, cfg, pad_id=tok.special_id("<|reserved_token_4|>"), use_fla=not args.no_fla,
+                deadline=deadline)
+    print(f"trained {log.steps} steps in {log.train_s:.0f}s ({log.tokens_per_s:,.0f} tok/s) after a "
+          f"{log.warmup_s:.0f}s warm-up; loss first {log.losses[0]:.3f} last {log.losses[-1]:.3f}", flush=True)
     save_checkpoint(model, raw, args.data, args.out)
-    with open(os.path.join(args.out, "train_log.json"), "w") as f:
-        json.dump({"losses": losses, "config": dataclasses.asdict(cfg), "size": args.size,
-                   "seconds": time.perf_counter() - t0, "device": device}, f)
+    record = {"size": args.size, "parameters": n_params, "device": device, "config": dataclasses.asdict(cfg),
+              "seconds": time.perf_counter() - t0, **dataclasses.asdict(log), "tokens_per_s": log.tokens_per_s}
+    record["config"]["time_budget_s"] = min(record["config"]["time_budget_s"], 1e12)  # JSON has no inf
+    with open(os.path.join(args.work if hasattr(args, "work") else args.out, "train_log.json"), "w") as f:
+        json.dump(record, f)
+    return record
+
+
+def run_all(args: argparse.Namespace) -> dict:
+    """prepare -> fit -> evaluate, inside `--deadline-minutes` of wall clock from the start (the training
+    budget is what is left after the warm-up pass, less `--eval-reserve`). Writes the checkpoint to
+    --out and summary.json beside it; data, logs and summary.md stay in --work."""
+    from hyserve.train.evaluate import evaluate_split
+    from hyserve.train.report import markdown
+
+    t0 = time.perf_counter()
+    deadline = t0 + args.deadline_minutes * 60 - args.eval_reserve if args.deadline_minutes else float("inf")
+    args.data = os.path.join(args.work, "data")
+    os.makedirs(args.work, exist_ok=True)
+    prepare(args.data, args.vocab_size, args.modules.split(",") if args.modules else None)
+    prepared_s = time.perf_counter() - t0
+    args.time_budget = args.budget_minutes * 60
+    train_log = fit(args, deadline)
+    t1 = time.perf_counter()
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    kwargs = {"device": device, "enforce_eager": True, "max_num_seqs": 256 if device == "cuda" else 16}
+    ev = evaluate_split(args.out, os.path.join(args.data, "split.json"), args.eval_n, **kwargs)
+    summary = {"train": {k: v for k, v in train_log.items() if k != "losses"}, "losses": train_log["losses"],
+               "eval": ev, "seconds": {"prepare": prepared_s, "eval": time.perf_counter() - t1,
+                                       "total": time.perf_counter() - t0}}
+    with open(os.path.join(os.path.dirname(os.path.abspath(args.out)), "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    md = markdown(summary)
+    with open(os.path.join(args.work, "summary.md"), "w") as f:
+        f.write(md)
+    print(md, flush=True)
+    return summary
+
+
+def write_expected(model_dir: str, out: str, prompt: str) -> dict:
+    """The greedy completion tests/test_trained_model.py checks, computed the way the test does (CPU)."""
+    from hyserve import LLM, SamplingParams
+
+    llm = LLM(model=model_dir, max_num_seqs=4, device="cpu")
+    text = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)[0].outputs[0].text
+    record = {"prompt": prompt, "completion": text}
+    with open(out, "w") as f:
+        json.dump(record, f, indent=1)
+    return record
+
+
+def _train_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, help="checkpoint directory")
+    p.add_argument("--size", default="small")
+    p.add_argument("--device", default=None)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--rows", type=int, default=32, help="sequences per step")
+    p.add_argument("--row-len", type=int, default=1024, help="tokens per sequence (a multiple of 64)")
+    p.add_argument("--max-steps", type=int, default=10**9)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--check", action="store_true", help="compare the fla path with the reference first")
+    p.add_argument("--no-fla", action="store_true", help="torch reference KDA even on CUDA")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,21 +168,31 @@ def main(argv: list[str] | None = None) -> int:
     pp.add_argument("--vocab-size", type=int, default=8192)
     pf = sub.add_parser("fit")
     pf.add_argument("--data", required=True)
-    pf.add_argument("--out", required=True)
-    pf.add_argument("--size", default="small")
-    pf.add_argument("--device", default=None)
-    pf.add_argument("--lr", type=float, default=2e-3)
-    pf.add_argument("--batch-tokens", type=int, default=32768)
-    pf.add_argument("--max-steps", type=int, default=10**9)
     pf.add_argument("--time-budget", type=float, default=float("inf"), help="seconds of training")
-    pf.add_argument("--seed", type=int, default=0)
-    pf.add_argument("--check", action="store_true", help="compare the fla path with the reference first")
-    pf.add_argument("--no-fla", action="store_true", help="torch reference KDA even on CUDA")
+    _train_args(pf)
+    pa = sub.add_parser("all", help="prepare, fit and evaluate in one run")
+    _train_args(pa)
+    pa.add_argument("--work", default="/tmp/hyserve-train", help="data, logs and summary.md")
+    pa.add_argument("--vocab-size", type=int, default=8192)
+    pa.add_argument("--modules", default=None, help="comma-separated stdlib modules (default: all)")
+    pa.add_argument("--budget-minutes", type=float, default=14.0, help="wall clock of the training steps")
+    pa.add_argument("--deadline-minutes", type=float, default=None,
+                    help="the whole run's wall clock: the training budget shrinks to fit it")
+    pa.add_argument("--eval-reserve", type=float, default=120.0, help="seconds kept for saving and evaluating")
+    pa.add_argument("--eval-n", type=int, default=200)
+    pe = sub.add_parser("expected", help="write the shipped model's fixed greedy completion for the tests")
+    pe.add_argument("--model", default="hyserve/assets/hyserve-tiny-k3")
+    pe.add_argument("--out", default="tests/data/hyserve_tiny_k3_expected.json")
+    pe.add_argument("--prompt", default="import json\n\n\ndef load(path):\n")
     args = p.parse_args(argv)
     if args.cmd == "prepare":
         prepare(args.out, args.vocab_size)
-    else:
+    elif args.cmd == "fit":
         fit(args)
+    elif args.cmd == "all":
+        run_all(args)
+    else:
+        print(json.dumps(write_expected(args.model, args.out, args.prompt.encode().decode("unicode_escape"))))
     return 0
 
 

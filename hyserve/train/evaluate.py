@@ -102,6 +102,15 @@ def evaluate(model_dir: str, symbols: list[Symbol], eval_modules: list[str], n: 
     return res
 
 
+def evaluate_split(model_dir: str, split_path: str, n: int = 200, **llm_kwargs) -> dict:
+    """`evaluate` on the held-out symbols and modules that `prepare` wrote to split.json."""
+    with open(split_path) as f:
+        split = json.load(f)
+    symbols = [Symbol(**s) for s in split["eval_symbols"]]
+    random.Random(0).shuffle(symbols)
+    return evaluate(model_dir, symbols, split["eval_modules"], n, **llm_kwargs)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m hyserve.train.evaluate")
     p.add_argument("model")
@@ -110,11 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--device", default=None)
     args = p.parse_args(argv)
-    split = json.load(open(args.split))
-    symbols = [Symbol(**s) for s in split["eval_symbols"]]
-    random.Random(0).shuffle(symbols)
     kwargs = {"device": args.device, "enforce_eager": True} if args.device else {}
-    res = evaluate(args.model, symbols, split["eval_modules"], args.n, **kwargs)
+    res = evaluate_split(args.model, args.split, args.n, **kwargs)
     print(json.dumps(res, indent=1))
     if args.out:
         json.dump(res, open(args.out, "w"), indent=1)

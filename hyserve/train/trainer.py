@@ -2,15 +2,16 @@
 1-based layer lists, model.safetensors in the checkpoint spelling the loader reads, tokenizer files).
 
 Time-boxed: the cosine schedule runs on max(step / max_steps, elapsed / time_budget), so a run that is
-cut by its wall-clock budget still ends at the bottom of the schedule.
+cut by its wall-clock budget still ends at the bottom of the schedule. Steps have one fixed shape
+(hyserve/train/rows.py) and the compile/autotune pass runs before the clock starts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
-import random
 import shutil
 import time
 from collections.abc import Sequence
@@ -46,15 +47,33 @@ def k3_config(size: str, vocab: int, bos: int, eos: Sequence[int], pad: int, max
 class TrainConfig:
     lr: float = 2e-3
     min_lr_ratio: float = 0.05
-    warmup_steps: int = 50
+    warmup_steps: int = 50  # linear learning-rate warm-up (the compile warm-up pass is separate)
     weight_decay: float = 0.1
-    batch_tokens: int = 32768
+    rows: int = 32  # every step is rows x row_len tokens (hyserve/train/rows.py)
+    row_len: int = 1024
     max_steps: int = 10**9
-    time_budget_s: float = float("inf")
+    time_budget_s: float = float("inf")  # wall clock of the training steps, counted after the warm-up pass
     grad_clip: float = 1.0
     bias_update_rate: float = 1e-3  # aux-loss-free router balancing (DeepSeek-V3 style)
     seed: int = 0
     log_every: int = 10
+
+
+@dataclass
+class TrainLog:
+    losses: list[float]  # every log_every steps, and the first five
+    steps: int = 0
+    tokens: int = 0  # rows x row_len per step, padding included
+    trained_tokens: int = 0  # targets the loss saw
+    warmup_s: float = 0.0  # the untimed compile/autotune pass
+    step_s: float = 0.0  # one steady-state step, timed in the warm-up
+    train_s: float = 0.0
+    budget_s: float = 0.0
+    used_fla: bool = False
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(self.train_s, 1e-9)
 
 
 def new_model(raw_config: dict, device: str | torch.device, seed: int = 0) -> KimiForCausalLM:
@@ -63,23 +82,11 @@ def new_model(raw_config: dict, device: str | torch.device, seed: int = 0) -> Ki
     return model.train().requires_grad_(True)
 
 
-def batches(examples: Sequence[Example], batch_tokens: int, rng: random.Random):
-    """Endless shuffled batches of whole examples, about `batch_tokens` tokens each."""
-    while True:
-        order = list(range(len(examples)))
-        rng.shuffle(order)
-        cur, n = [], 0
-        for i in order:
-            cur.append(examples[i])
-            n += len(examples[i][0])
-            if n >= batch_tokens:
-                yield cur
-                cur, n = [], 0
-        if cur:  # an epoch's remainder: a batch never spans epochs, however small the data
-            yield cur
-
-
 def lr_at(cfg: TrainConfig, step: int, elapsed: float) -> float:
+    """Linear warm-up, then cosine to min_lr_ratio over whichever ends first: max_steps or the budget.
+
+    By wall clock as well as steps, so a run cut by its budget still ends at the bottom of the schedule
+    whatever its throughput turned out to be (elapsed starts after the compile warm-up pass)."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     progress = min(1.0, max(step / cfg.max_steps, elapsed / cfg.time_budget_s))
@@ -109,17 +116,26 @@ class _RouterBalancer:
             c = self.counts[id(r)]
             if c is not None and self.rate:
                 r.e_score_correction_bias += self.rate * torch.sign(c.mean() - c)
-            self.counts[id(r)] = None
+        self.reset()
+
+    def reset(self) -> None:
+        self.counts = dict.fromkeys(self.counts)
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
 
 
 def train(
-    model: KimiForCausalLM, examples: Sequence[Example], cfg: TrainConfig, *, use_fla: bool = True,
-    progress: bool = True,
-) -> list[float]:
-    """Train in place; returns the per-step losses."""
-    from tqdm import tqdm
-
-    from hyserve.train.packed import masked_lm_loss, training_kernels
+    model: KimiForCausalLM, examples: Sequence[Example], cfg: TrainConfig, *, pad_id: int, use_fla: bool = True,
+    progress: bool = True, deadline: float = float("inf"),
+) -> TrainLog:
+    """Train in place on fixed-shape steps. Two untimed forward+backward passes on the first batch come
+    first (kernel compilation and autotuning, then one steady step to time); the wall-clock budget and
+    the schedule cover the training steps only, and end by `deadline` (a time.perf_counter() value)."""
+    from hyserve.train.packed import row_batch, row_lm_loss, scratch_cache, training_kernels
+    from hyserve.train.rows import row_batches
 
     dev = model.device
     balancer = _RouterBalancer(model, cfg.bias_update_rate)
@@ -131,35 +147,60 @@ def train(
         lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, fused=dev.type == "cuda",
     )
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
-    rng = random.Random(cfg.seed)
-    losses: list[float] = []
-    start = time.perf_counter()
-    tokens = 0
-    bar = tqdm(total=None if cfg.max_steps >= 10**9 else cfg.max_steps, disable=not progress, dynamic_ncols=True,
-               mininterval=2.0)
-    with training_kernels(model, enable=use_fla):
-        for step, batch in enumerate(batches(examples, cfg.batch_tokens, rng)):
+    batches = row_batches(examples, cfg.rows, cfg.row_len, pad_id, cfg.seed)
+    batch = row_batch(cfg.rows, cfg.row_len, dev)  # constant: every step has this shape
+    cache = scratch_cache(model, batch)
+    step_tokens = cfg.rows * cfg.row_len
+    log = TrainLog(losses=[])
+
+    def loss_of(rb) -> torch.Tensor:
+        with autocast:
+            return row_lm_loss(model, rb, batch, cache)
+
+    with training_kernels(model, enable=use_fla) as log.used_fla:
+        first = next(batches)
+        t0 = time.perf_counter()
+        for i in range(2):  # compile + autotune, then a steady pass to time; no optimizer step
+            t1 = time.perf_counter()
+            loss_of(first).backward()
+            opt.zero_grad(set_to_none=True)
+            _sync(dev)
+            if i == 0:
+                log.warmup_s = time.perf_counter() - t0
+        log.step_s = time.perf_counter() - t1
+        balancer.reset()
+        # what is left of the deadline once the warm-up is paid for bounds the schedule's budget
+        cfg = dataclasses.replace(cfg, time_budget_s=min(cfg.time_budget_s, deadline - time.perf_counter()))
+        log.budget_s = min(cfg.time_budget_s, 1e12)  # JSON has no inf
+        if progress:
+            planned = min(cfg.max_steps, int(cfg.time_budget_s / max(log.step_s, 1e-9)))
+            print(f"warm-up {log.warmup_s:.1f}s; a step of {step_tokens} tokens takes {log.step_s * 1e3:.0f} ms "
+                  f"(fla={log.used_fla}): about {planned} steps in the budget", flush=True)
+        start = time.perf_counter()
+        for step, rb in enumerate(batches):
             elapsed = time.perf_counter() - start
             if step >= cfg.max_steps or elapsed >= cfg.time_budget_s:
                 break
             for group in opt.param_groups:
                 group["lr"] = lr_at(cfg, step, elapsed)
-            with autocast:
-                loss, _ = masked_lm_loss(model, [b[0] for b in batch], [b[1] for b in batch])
+            loss = loss_of(rb)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             opt.step()
             balancer.update()
-            tokens += sum(len(b[0]) for b in batch)
+            log.steps, log.tokens = step + 1, log.tokens + step_tokens
+            log.trained_tokens += rb.trained_tokens
             if step % cfg.log_every == 0 or step < 5:
-                losses.append(loss.item())
-                rate = tokens / max(time.perf_counter() - start, 1e-9)
-                bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{rate:,.0f}", lr=f"{opt.param_groups[0]['lr']:.2e}")
-            bar.update(1)
-    bar.close()
+                log.losses.append(loss.item())  # a host sync, only at log points
+                if progress:
+                    dt = time.perf_counter() - start
+                    print(f"step {step} loss {log.losses[-1]:.3f} lr {opt.param_groups[0]['lr']:.2e} "
+                          f"{log.tokens / dt:,.0f} tok/s {dt:.0f}s", flush=True)
+        _sync(dev)
+        log.train_s = time.perf_counter() - start
     model.eval().requires_grad_(False)
-    return losses
+    return log
 
 
 # ---- checkpoints -----------------------------------------------------------------------------------
