@@ -7,8 +7,16 @@ path (finish, abort, preemption, error) fails the test that caused it.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Triton decides when it is first imported whether its library functions run interpreted, and torch or
+# transformers may import it while the modules below load. Without CUDA no compiled kernel can run, so
+# switch the interpreter on first: tests/test_dsa_triton_interpret.py runs the Triton kernels on CPU.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from hyserve import LLM
 from hyserve.config import EngineConfig

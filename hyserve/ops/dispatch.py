@@ -30,6 +30,12 @@ def fast_path(x: torch.Tensor) -> bool:
     return x.is_cuda and not _forced_reference and has_triton()
 
 
+def dsa_fast_path(x: torch.Tensor) -> bool:
+    """The DSA Triton kernels (index scoring + top-k, sparse MLA) are opt-in (HYSERVE_DSA_TRITON=1) until
+    tests/gpu/test_dsa_gpu.py has passed on a GPU: they have only run under Triton's CPU interpreter."""
+    return fast_path(x) and os.environ.get("HYSERVE_DSA_TRITON", "0") == "1"
+
+
 @contextlib.contextmanager
 def reference_ops() -> Iterator[None]:
     """Run the torch reference ops inside this block, even on CUDA tensors."""

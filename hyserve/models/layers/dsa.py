@@ -17,6 +17,7 @@ from hyserve.models.batch import Batch, CacheTensors
 from hyserve.models.config import ModelConfig
 from hyserve.models.layers.rope import Rotary
 from hyserve.ops import dsa_indexer as dsa
+from hyserve.ops.dispatch import dsa_fast_path
 from hyserve.ops.sparse_mla import sparse_mla
 
 _K_NORM_EPS = 1e-6
@@ -78,6 +79,13 @@ class Indexer(nn.Module):
             raise ValueError(f"index key records are {rec.shape[-1]} bytes but the cache rows hold {keys.shape[-1]}")
         keys[batch.slot_mapping // bs, layer, batch.slot_mapping % bs] = rec
 
+        if dsa_fast_path(x) and self.fmt != "raw" and max(batch.context_lens) > self.topk:
+            from hyserve.ops.dsa_index_triton import index_topk_fast
+
+            return index_topk_fast(
+                q, w, keys, layer, self.fmt, batch.block_tables, batch.query_lens, batch.context_lens,
+                batch.positions, self.topk, self.ue8m0,
+            )
         width = min(self.topk, max(batch.context_lens))
         out = torch.full((x.shape[0], width), -1, dtype=torch.long, device=x.device)
         cu = batch.cu_seqlens.tolist()
@@ -111,4 +119,13 @@ def token_block_tables(batch: Batch) -> torch.Tensor:
     return batch.block_tables.repeat_interleave(q, 0)
 
 
-__all__ = ["Indexer", "IndexKeyNorm", "sparse_mla", "token_block_tables"]
+def token_seq_ids(batch: Batch) -> torch.Tensor:
+    """Each token's sequence index [T] (int32; the GPU kernels read block tables per sequence)."""
+    dev = batch.block_tables.device
+    if batch.decode_only:  # one row per sequence: no host-to-device copy
+        return torch.arange(batch.num_seqs, device=dev, dtype=torch.int32)
+    q = torch.tensor(batch.query_lens, device=dev)
+    return torch.repeat_interleave(torch.arange(batch.num_seqs, device=dev, dtype=torch.int32), q)
+
+
+__all__ = ["Indexer", "IndexKeyNorm", "sparse_mla", "token_block_tables", "token_seq_ids"]

@@ -8,11 +8,11 @@ from torch import nn
 
 from hyserve.models.batch import Batch, CacheTensors
 from hyserve.models.config import ModelConfig
-from hyserve.models.layers.dsa import Indexer, sparse_mla, token_block_tables
+from hyserve.models.layers.dsa import Indexer, sparse_mla, token_block_tables, token_seq_ids
 from hyserve.models.layers.norm import RMSNorm
 from hyserve.models.layers.rope import Rotary
 from hyserve.ops import mla_attention as mla_ops
-from hyserve.ops.dispatch import fast_path
+from hyserve.ops.dispatch import dsa_fast_path, fast_path
 
 # q_a_layernorm / kv_a_layernorm use the class default eps, not rms_norm_eps (spec §1.4).
 _LATENT_NORM_EPS = 1e-6
@@ -72,6 +72,14 @@ class MLAttention(nn.Module):
         pages[batch.slot_mapping // bs, layer, batch.slot_mapping % bs] = rows.to(pages.dtype)
         if self.indexer is not None:
             selected = self.indexer(x, q_lat, batch, cache, cos_sin)
+            if dsa_fast_path(x):
+                from hyserve.ops.sparse_mla_triton import sparse_mla_fast
+
+                o = sparse_mla_fast(
+                    q_nope, q_rope, pages, layer, batch.block_tables, token_seq_ids(batch), selected,
+                    self.kv_b_proj.weight, self.rank, self.dv, self.scale,
+                )
+                return self.project_out(o, x)
             o = sparse_mla(
                 q_nope, q_rope, pages, layer, token_block_tables(batch), selected,
                 self.kv_b_proj.weight, self.rank, self.dv, self.scale,
