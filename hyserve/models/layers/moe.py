@@ -67,10 +67,14 @@ class MoE(nn.Module):
             DenseMLP(d, inter * cfg.num_shared_experts, self.act) if cfg.num_shared_experts else None
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, experts_fn=None) -> torch.Tensor:
+        """`experts_fn(x, ids, weights, w13, w2, act)` overrides the routed-expert kernel (training uses a
+        dense, differentiable one); by default the fastest available kernel is picked."""
         ids, w = self.gate(x)
         xe = self.routed_expert_down_proj(x) if self.latent else x
-        if fast_path(xe) and ids.numel() <= 64:  # decode: read only the selected experts' rows
+        if experts_fn is not None:
+            y = experts_fn(xe, ids, w, self.w13, self.w2, self.act)
+        elif fast_path(xe) and ids.numel() <= 64:  # decode: read only the selected experts' rows
             y = experts_forward_gemv(xe, ids, w, self.w13, self.w2, self.act)
         elif fast_path(xe) and grouped_mm_available(xe, self.w13):
             y = experts_forward_grouped(xe, ids, w, self.w13, self.w2, self.act)
