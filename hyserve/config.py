@@ -9,6 +9,7 @@ from dataclasses import dataclass
 # shipped in hyserve/assets (python -m hyserve.train), else the random k3-tiny preset while none is shipped.
 # Presets stay available by name either way.
 EMBEDDED_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "hyserve-tiny-k3")
+EMBEDDED_MODEL_NAME = "hyserve-tiny-k3"  # what the server calls it unless --served-model-name says otherwise
 DEFAULT_MODEL = EMBEDDED_MODEL_DIR if os.path.isfile(os.path.join(EMBEDDED_MODEL_DIR, "config.json")) else "k3-tiny"
 
 

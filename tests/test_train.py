@@ -23,7 +23,15 @@ from hyserve.train.data import (
     split_modules,
     tool_messages,
 )
-from hyserve.train.packed import dense_experts, masked_lm_loss, row_batch, row_lm_loss, scratch_cache, training_kernels
+from hyserve.train.packed import (
+    dense_experts,
+    masked_lm_loss,
+    row_batch,
+    row_lm_loss,
+    scratch_cache,
+    training_kernels,
+    trim_autotuners,
+)
 from hyserve.train.rows import IGNORE, RowBatch, row_batches
 from hyserve.train.trainer import TrainConfig, k3_config, new_model, save_checkpoint, train
 
@@ -32,7 +40,7 @@ MODULES = ["json", "textwrap"]
 
 @pytest.fixture(scope="module")
 def corpus():
-    return build_corpus(MODULES, phrasings=1)
+    return build_corpus(MODULES, phrasings=1, copies=1)
 
 
 @pytest.fixture(scope="module")
@@ -43,13 +51,48 @@ def tok_dir(tmp_path_factory, corpus):
 
 
 def test_corpus_is_deterministic_and_grounded_in_the_stdlib(corpus):
-    again = build_corpus(MODULES, phrasings=1)
+    again = build_corpus(MODULES, phrasings=1, copies=1)
     assert again == corpus
     names = {s.name for s in corpus.symbols}
     assert "json.dumps" in names and "textwrap.dedent" in names
     dumps = next(s for s in corpus.symbols if s.name == "json.dumps")
     assert dumps.call.startswith("json.dumps(obj, *, skipkeys=False")
     assert any("def dumps(" in c for c in corpus.code)
+
+
+def test_made_up_symbols_can_only_be_answered_by_copying(corpus):
+    real = {s.name for s in corpus.symbols}
+    assert len(corpus.copy) == len(corpus.symbols)
+    for conv in corpus.copy:
+        user, call, tool, answer = conv
+        name = json.loads(call["tool_calls"][0]["function"]["arguments"])["name"]
+        assert name not in real and name in user["content"]  # asked for, never trained on as a real symbol
+        signature = tool["content"].split("\n\n")[0]
+        assert signature.startswith(name + "(") and f"`{signature}`" in answer["content"]
+
+
+def test_trimming_autotuners_keeps_the_lightest_configs():
+    import sys
+    import types
+
+    triton = pytest.importorskip("triton")
+    module = types.ModuleType("hyserve_test_kernels.k")
+    configs = [triton.Config({"B": b}, num_warps=w, num_stages=st) for b, w, st in
+               [(64, 8, 4), (32, 4, 3), (16, 2, 2), (32, 4, 2), (64, 1, 1)]]
+
+    @triton.autotune(configs=configs, key=["n"])
+    @triton.jit
+    def kernel(x, n, B: triton.language.constexpr):
+        pass
+
+    module.kernel = triton.heuristics({"C": lambda args: 1})(kernel)  # wrapped, as fla does
+    sys.modules[module.__name__] = module
+    try:
+        assert trim_autotuners("hyserve_test_kernels.", 2) == 1
+        assert [(c.num_stages, c.num_warps) for c in kernel.configs] == [(1, 1), (2, 4)]
+        assert trim_autotuners("hyserve_test_kernels.", 2) == 0
+    finally:
+        del sys.modules[module.__name__]
 
 
 def test_split_is_by_top_level_package():
@@ -183,7 +226,8 @@ def test_the_all_command_runs_end_to_end_and_writes_the_outputs(tmp_path, one_th
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(out))
     summary = json.load(open(tmp_path / "out" / "summary.json"))
     assert summary["train"]["steps"] > 0 and summary["eval"]["n"] == 4
-    assert {"code_ppl", "chat_ppl", "tool_call_rate", "signature_after_tool"} <= set(summary["eval"])
+    assert {"code_ppl", "chat_ppl", "tool_call_rate", "signature_after_tool", "signature_end_to_end"} <= set(
+        summary["eval"])
     assert (tmp_path / "work" / "summary.md").read_text().startswith("# hyserve-tiny-k3 training run")
     main(["expected", "--model", str(out), "--out", str(tmp_path / "expected.json"), "--prompt", "import json\\n"])
     expected = json.load(open(tmp_path / "expected.json"))

@@ -56,3 +56,55 @@ def test_a_tool_use_chat_yields_a_lookup_symbol_call(llm):
     out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=64), use_tqdm=False)
     ok, name = parsed_call(tok, out[0].outputs[0].token_ids)
     assert ok and name == "json.dumps"
+
+
+LOOKUP_TOOL_API = {
+    "type": "function",
+    "function": {"name": "lookup_symbol", "description": "Look up a Python standard library function or class.",
+                 "parameters": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}},
+}
+
+
+@pytest.fixture(scope="module")
+def server():
+    from tests.server_util import live_server
+
+    with live_server(model=EMBEDDED_MODEL_DIR) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_a_live_server_answers_a_tool_use_chat_with_a_parsed_tool_call(client):
+    r = client.chat.completions.create(
+        model="hyserve-tiny-k3", messages=[{"role": "user", "content": "What does json.dumps do?"}],
+        tools=[LOOKUP_TOOL_API], temperature=0, max_tokens=96)
+    calls = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and calls and calls[0].function.name == "lookup_symbol"
+    assert json.loads(calls[0].function.arguments) == {"name": "json.dumps"}
+
+
+def test_a_live_server_answers_a_plain_question_with_the_signature(client):
+    r = client.chat.completions.create(
+        model="hyserve-tiny-k3", messages=[{"role": "user", "content": "What does json.dumps do?"}],
+        temperature=0, max_tokens=96)
+    assert "json.dumps(obj" in r.choices[0].message.content
+
+
+def test_the_server_evaluation_counts_calls_names_and_signatures(server, tmp_path):
+    import dataclasses
+
+    from hyserve.train.data import collect_symbols
+    from hyserve.train.evaluate_server import evaluate_server
+
+    syms = [s for s in collect_symbols(["json"]) if s.name in ("json.dumps", "json.loads")]
+    split = tmp_path / "split.json"
+    split.write_text(json.dumps({"eval_symbols": [dataclasses.asdict(s) for s in syms]}))
+    res = evaluate_server(server, str(split), n=2, concurrency=2)
+    assert res["n"] == 2 and res["tool_call"] == 1.0 and res["right_name"] == 1.0
+    assert 0.0 <= res["signature"] <= 1.0

@@ -35,14 +35,14 @@ def load_examples(path: str) -> list[tuple[list[int], list[int]]]:
     return [(ids[a:b], mask[a:b]) for a, b in zip(off[:-1], off[1:])]
 
 
-def prepare(out: str, vocab_size: int, modules: list[str] | None = None) -> None:
+def prepare(out: str, vocab_size: int, modules: list[str] | None = None, copies: float = 2.0) -> None:
     """Corpus from `modules` (default: the whole stdlib here), BPE, encoded examples, the held-out split."""
     from hyserve.tokenizer import load_tokenizer
     from hyserve.train.bpe import save_tokenizer, train_bpe
     from hyserve.train.data import build_corpus, encode_corpus, split_modules, stdlib_modules
 
     train_mods, eval_mods = split_modules(modules or stdlib_modules())
-    corpus = build_corpus(train_mods)
+    corpus = build_corpus(train_mods, copies=copies)
     from hyserve.train.data import corpus_texts
 
     save_tokenizer(train_bpe(corpus_texts(corpus), vocab_size), out, MAX_LEN * 4)
@@ -53,7 +53,8 @@ def prepare(out: str, vocab_size: int, modules: list[str] | None = None) -> None
                "eval_symbols": [dataclasses.asdict(s) for s in held.symbols]},
               open(os.path.join(out, "split.json"), "w"), indent=1)
     n = sum(1 for _ in open(os.path.join(out, "split.json")))
-    print(f"prepared {out}: {len(corpus.symbols)} train symbols, {len(held.symbols)} held-out, {n} lines")
+    print(f"prepared {out}: {len(corpus.symbols)} train symbols, {len(corpus.copy)} made-up-symbol tool "
+          f"conversations, {len(held.symbols)} held-out symbols, {n} lines")
 
 
 def model_config(args: argparse.Namespace, tok) -> dict:
@@ -88,7 +89,8 @@ def fit(args: argparse.Namespace, deadline: float = float("inf")) -> dict:
                 ref = masked_lm_loss(model, [e[0] for e in few], [e[1] for e in few])[0].item()
         print(f"check: fla path used={used} loss {fast:.5f}, reference {ref:.5f}", flush=True)
     cfg = TrainConfig(lr=args.lr, rows=args.rows, row_len=args.row_len, max_steps=args.max_steps,
-                      time_budget_s=args.time_budget, seed=args.seed, log_every=args.log_every)
+                      time_budget_s=args.time_budget, autotune_configs=args.autotune_configs, seed=args.seed,
+                      log_every=args.log_every)
     t0 = time.perf_counter()
     log = train(model, examples, cfg, pad_id=tok.special_id("<|reserved_token_4|>"), use_fla=not args.no_fla,
                 deadline=deadline)
@@ -112,9 +114,10 @@ def run_all(args: argparse.Namespace) -> dict:
 
     t0 = time.perf_counter()
     deadline = t0 + args.deadline_minutes * 60 - args.eval_reserve if args.deadline_minutes else float("inf")
-    args.data = os.path.join(args.work, "data")
     os.makedirs(args.work, exist_ok=True)
-    prepare(args.data, args.vocab_size, args.modules.split(",") if args.modules else None)
+    if args.data is None:
+        args.data = os.path.join(args.work, "data")
+        prepare(args.data, args.vocab_size, args.modules.split(",") if args.modules else None, args.copies)
     prepared_s = time.perf_counter() - t0
     args.time_budget = args.budget_minutes * 60
     train_log = fit(args, deadline)
@@ -158,6 +161,8 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--check", action="store_true", help="compare the fla path with the reference first")
     p.add_argument("--no-fla", action="store_true", help="torch reference KDA even on CUDA")
+    p.add_argument("--autotune-configs", type=int, default=0,
+                   help="keep this many configs per fla autotuner (0: all); shortens the first step's warm-up")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     pp = sub.add_parser("prepare")
     pp.add_argument("--out", required=True)
     pp.add_argument("--vocab-size", type=int, default=8192)
+    pp.add_argument("--copies", type=float, default=2.0, help="made-up-symbol tool conversations per symbol")
     pf = sub.add_parser("fit")
     pf.add_argument("--data", required=True)
     pf.add_argument("--time-budget", type=float, default=float("inf"), help="seconds of training")
@@ -173,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     pa = sub.add_parser("all", help="prepare, fit and evaluate in one run")
     _train_args(pa)
     pa.add_argument("--work", default="/tmp/hyserve-train", help="data, logs and summary.md")
+    pa.add_argument("--data", default=None, help="data already written by `prepare` (skips that step)")
     pa.add_argument("--vocab-size", type=int, default=8192)
+    pa.add_argument("--copies", type=float, default=2.0, help="made-up-symbol tool conversations per symbol")
     pa.add_argument("--modules", default=None, help="comma-separated stdlib modules (default: all)")
     pa.add_argument("--budget-minutes", type=float, default=14.0, help="wall clock of the training steps")
     pa.add_argument("--deadline-minutes", type=float, default=None,
@@ -186,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     pe.add_argument("--prompt", default="import json\n\n\ndef load(path):\n")
     args = p.parse_args(argv)
     if args.cmd == "prepare":
-        prepare(args.out, args.vocab_size)
+        prepare(args.out, args.vocab_size, copies=args.copies)
     elif args.cmd == "fit":
         fit(args)
     elif args.cmd == "all":

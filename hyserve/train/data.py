@@ -6,6 +6,9 @@ Three kinds of example, all deterministic for one Python installation and never 
           answers with the signature and the docstring's first line (loss on assistant turns only);
   tool  - the same questions with a `lookup_symbol` tool: the assistant calls it, the tool message
           returns signature + docstring, and the assistant answers from it (copying the signature).
+  copy  - tool conversations about made-up symbols (real parts recombined, or random syllables), so that
+          the only way to call the tool with the right name and to answer is to copy from the question
+          and the tool result; without them a small model memorises names and never learns to copy.
 The split is by module (`held_out`), so evaluation asks about code the model never saw.
 """
 
@@ -23,7 +26,7 @@ import warnings
 import zlib
 from collections.abc import Iterable, Sequence
 from contextlib import redirect_stderr, redirect_stdout
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hyserve.entrypoints.chat.k3_encoding import END_OF_MSG, OPEN, SEP, Segment, render_k3
 from hyserve.tokenizer import Tokenizer
@@ -267,16 +270,59 @@ def encode_chat(tok: Tokenizer, messages: list[dict], tools: list[dict] | None =
     return ids, mask
 
 
+_SYLLABLES = ("ka", "lo", "mi", "tor", "pex", "an", "ul", "zer", "bri", "qua", "fen", "dos", "vy", "gor",
+              "set", "ix", "ru", "nal", "ob", "stre", "cim", "hu", "wep", "ald", "jo", "tre", "sy", "mon")
+
+
+def _made_up_word(rng: random.Random) -> str:
+    return "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 3)))
+
+
+def _fragments(words: Iterable[str]) -> list[str]:
+    """Identifier pieces: snake_case words and CamelCase humps."""
+    return sorted({f for w in words for part in w.split("_") for f in re.findall(r"[A-Z]?[a-z0-9]+|[A-Z]+", part)})
+
+
+def _made_up_symbol(rng: random.Random, real: Sequence[Symbol], pieces: Sequence[str], taken: set[str]) -> Symbol:
+    """A symbol no one can have memorised, named one of three ways: real parts recombined (module, leaf
+    name), real identifier pieces recombined (names that look real), or random syllables. Its parameters
+    and docstring come from two other real symbols. Never a name in `taken` (the real symbols): that
+    would teach a wrong answer about a real one."""
+    while (sym := _made_up_candidate(rng, real, pieces)).name in taken:
+        pass
+    return sym
+
+
+def _made_up_candidate(rng: random.Random, real: Sequence[Symbol], pieces: Sequence[str]) -> Symbol:
+    doc_from, params_from = rng.choice(real), rng.choice(real)
+    params = params_from.signature[params_from.signature.index("(") :]
+    style = rng.random()
+    if style < 0.3:
+        module = rng.choice(real).module
+        leaf = rng.choice(real).name.rsplit(".", 1)[1]
+    else:
+        word = (lambda: "".join(rng.choice(pieces).lower() for _ in range(rng.randint(1, 2)))) if style < 0.7 \
+            else (lambda: _made_up_word(rng))
+        module = ".".join(word() for _ in range(rng.randint(1, 2)))
+        words = [word() for _ in range(rng.randint(1, 3))]
+        leaf = "".join(w.title() for w in words) if rng.random() < 0.3 else "_".join(words)
+    if rng.random() < 0.25:  # a method: Class.method
+        leaf = _made_up_word(rng).title() + rng.choice(pieces).title() + "." + leaf
+    return Symbol(module, f"{module}.{leaf}", leaf.rsplit(".", 1)[-1] + params, doc_from.summary, doc_from.doc)
+
+
 @dataclass
 class Corpus:
     code: list[str]
     chat: list[list[dict]]
     tool: list[list[dict]]
     symbols: list[Symbol]
+    copy: list[list[dict]] = field(default_factory=list)
 
 
-def build_corpus(modules: Sequence[str], seed: int = 0, phrasings: int = 3) -> Corpus:
-    """Code chunks plus `phrasings` chat and tool conversations per symbol of `modules`."""
+def build_corpus(modules: Sequence[str], seed: int = 0, phrasings: int = 3, copies: float = 0.0) -> Corpus:
+    """Code chunks plus `phrasings` chat and tool conversations per symbol of `modules`, and
+    `copies` made-up-symbol tool conversations per real symbol."""
     rng = random.Random(seed)
     symbols = collect_symbols(modules)
     chat, tool = [], []
@@ -284,7 +330,10 @@ def build_corpus(modules: Sequence[str], seed: int = 0, phrasings: int = 3) -> C
         for _ in range(phrasings):
             chat.append(chat_messages(sym, rng))
             tool.append(tool_messages(sym, rng))
-    return Corpus(code_documents(modules), chat, tool, symbols)
+    pieces = _fragments(part for s in symbols for part in s.name.split("."))
+    taken = {s.name for s in symbols}
+    copy = [tool_messages(_made_up_symbol(rng, symbols, pieces, taken), rng) for _ in range(int(copies * len(symbols)))]
+    return Corpus(code_documents(modules), chat, tool, symbols, copy)
 
 
 def corpus_texts(corpus: Corpus) -> Iterable[str]:
@@ -306,6 +355,6 @@ def encode_corpus(tok: Tokenizer, corpus: Corpus, max_len: int) -> list[tuple[li
                 out.append((piece, [1] * len(piece)))
     for conv in corpus.chat:
         out.append(encode_chat(tok, conv))
-    for conv in corpus.tool:
+    for conv in corpus.tool + corpus.copy:
         out.append(encode_chat(tok, conv, [LOOKUP_TOOL]))
     return [(ids[:max_len], mask[:max_len]) for ids, mask in out]

@@ -5,8 +5,9 @@
 - perplexity on held-out code and on held-out chat assistant turns;
 - tool-call rate: greedy generations for tool-use prompts that parse into a `lookup_symbol` call with
   JSON-object arguments (the server's own K3 output parser), and how many name the right symbol;
-- signature rate: answers that contain the right signature, after the tool result (copying) and in
-  plain chat without tools (recall of modules never seen: expected near zero).
+- signature rate: answers that contain the right signature, end to end (the model's own call is answered
+  by the tool, then the model answers), after the right tool result, and in plain chat without tools
+  (recall of modules never seen: expected near zero).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from hyserve.train.data import (
     encode_chat,
     question,
     tool_messages,
+    tool_result,
 )
 
 
@@ -52,6 +54,16 @@ def tool_prompt(tok, sym: Symbol, rng: random.Random) -> list[int]:
 def answer_prompt(tok, sym: Symbol, rng: random.Random) -> list[int]:
     """The conversation up to the tool result: the next assistant turn should copy the signature."""
     return encode_k3(tok, tool_messages(sym, rng)[:-1], [LOOKUP_TOOL])
+
+
+def after_call(sym: Symbol, name: str | None, by_name: dict[str, Symbol], rng: random.Random) -> list[dict]:
+    """The conversation after the model called lookup_symbol(name): the tool answers what was asked for."""
+    found = by_name.get(name or "")
+    msgs = tool_messages(sym, rng)[:-1]
+    msgs[1]["reasoning_content"] = f"I should look up {name}."
+    msgs[1]["tool_calls"][0]["function"]["arguments"] = json.dumps({"name": name})
+    msgs[2]["content"] = tool_result(found) if found else f"No symbol named {name!r}."
+    return msgs
 
 
 def parsed_call(tok, ids: list[int]) -> tuple[bool, str | None]:
@@ -92,6 +104,11 @@ def evaluate(model_dir: str, symbols: list[Symbol], eval_modules: list[str], n: 
     res["example_tool_generation"] = tok.decode(gens[0].outputs[0].token_ids, skip_special_tokens=False)[:400]
     res["tool_call_rate"] = sum(ok for ok, _ in calls) / len(syms)
     res["tool_call_right_name"] = sum(name == s.name for (_, name), s in zip(calls, syms)) / len(syms)
+    by_name = {s.name: s for s in symbols}
+    follow = [encode_k3(tok, after_call(s, name, by_name, rng), [LOOKUP_TOOL]) for (_, name), s in zip(calls, syms)]
+    gens = llm.generate(follow, greedy, use_tqdm=False)
+    res["signature_end_to_end"] = sum(ok and s.call in content_of(tok, g.outputs[0].token_ids)
+                                      for (ok, _), g, s in zip(calls, gens, syms)) / len(syms)
     gens = llm.generate([answer_prompt(tok, s, rng) for s in syms], greedy, use_tqdm=False)
     res["signature_after_tool"] = sum(s.call in content_of(tok, g.outputs[0].token_ids)
                                       for g, s in zip(gens, syms)) / len(syms)

@@ -139,6 +139,37 @@ def moe_train_forward(layer: MoE, x: torch.Tensor) -> torch.Tensor:
     return MoE.forward(layer, x, experts_fn=dense_experts)  # the class method: `forward` is patched per instance
 
 
+def trim_autotuners(module_prefix: str, max_configs: int) -> int:
+    """Keep the `max_configs` lightest configs (fewest pipeline stages, then warps nearest 4) of every
+    Triton autotuner in the imported modules under `module_prefix`; returns how many were trimmed.
+    Fewer stages means less shared memory, so the configs kept are the ones least likely to fail to
+    launch, and keeping two lets the autotuner still time (and survive) a bad one."""
+    import sys
+
+    from triton.runtime.autotuner import Autotuner
+
+    trimmed = 0
+    for name, module in list(sys.modules.items()):
+        if not name.startswith(module_prefix) or module is None:
+            continue
+        for obj in list(vars(module).values()):
+            while obj is not None and not isinstance(obj, Autotuner) and hasattr(obj, "fn"):
+                obj = obj.fn  # @triton.heuristics wraps the autotuner
+            if isinstance(obj, Autotuner) and len(obj.configs) > max_configs:
+                obj.configs = sorted(obj.configs, key=lambda c: (c.num_stages, abs(c.num_warps - 4)))[:max_configs]
+                trimmed += 1
+    return trimmed
+
+
+def limit_fla_autotune(max_configs: int) -> int:
+    """`trim_autotuners` over fla-core. Its chunk_kda forward and backward compile and time every config
+    of every kernel before the first step: about four minutes on an H200 for the embedded model, more
+    than the training steps that fit in one device call (38 s with two configs each)."""
+    import fla.ops.kda  # noqa: F401 - imports the kernels to trim
+
+    return trim_autotuners("fla.", max_configs)
+
+
 @contextlib.contextmanager
 def training_kernels(model: KimiForCausalLM, enable: bool = True) -> Iterator[bool]:
     """Route MLA and MoE layers through their batched training paths while inside, and KDA layers

@@ -13,7 +13,8 @@ _EVAL_ROWS = (
     ("chat_ppl", "held-out chat (assistant turns) perplexity", "{:.2f}"),
     ("tool_call_rate", "tool prompts answered with a parsed lookup_symbol call", "{:.1%}"),
     ("tool_call_right_name", "... naming the right symbol", "{:.1%}"),
-    ("signature_after_tool", "signature copied from the tool result", "{:.1%}"),
+    ("signature_end_to_end", "answers with the right signature (own tool call, then the answer)", "{:.1%}"),
+    ("signature_after_tool", "signature copied from the right tool result", "{:.1%}"),
     ("signature_plain_chat", "signature recalled without tools (unseen modules)", "{:.1%}"),
 )
 

@@ -52,6 +52,7 @@ class TrainConfig:
     rows: int = 32  # every step is rows x row_len tokens (hyserve/train/rows.py)
     row_len: int = 1024
     max_steps: int = 10**9
+    autotune_configs: int = 0  # >0: keep this many configs per fla autotuner (limit_fla_autotune)
     time_budget_s: float = float("inf")  # wall clock of the training steps, counted after the warm-up pass
     grad_clip: float = 1.0
     bias_update_rate: float = 1e-3  # aux-loss-free router balancing (DeepSeek-V3 style)
@@ -134,7 +135,7 @@ def train(
     """Train in place on fixed-shape steps. Two untimed forward+backward passes on the first batch come
     first (kernel compilation and autotuning, then one steady step to time); the wall-clock budget and
     the schedule cover the training steps only, and end by `deadline` (a time.perf_counter() value)."""
-    from hyserve.train.packed import row_batch, row_lm_loss, scratch_cache, training_kernels
+    from hyserve.train.packed import limit_fla_autotune, row_batch, row_lm_loss, scratch_cache, training_kernels
     from hyserve.train.rows import row_batches
 
     dev = model.device
@@ -158,6 +159,9 @@ def train(
             return row_lm_loss(model, rb, batch, cache)
 
     with training_kernels(model, enable=use_fla) as log.used_fla:
+        if log.used_fla and cfg.autotune_configs:
+            print(f"fla autotuners trimmed to {cfg.autotune_configs} configs: "
+                  f"{limit_fla_autotune(cfg.autotune_configs)}", flush=True)
         first = next(batches)
         t0 = time.perf_counter()
         for i in range(2):  # compile + autotune, then a steady pass to time; no optimizer step

@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import hyserve
-from hyserve.config import EngineConfig
+from hyserve.config import EMBEDDED_MODEL_DIR, EMBEDDED_MODEL_NAME, EngineConfig
 from hyserve.engine.engine_client import AsyncEngineClient
 from hyserve.entrypoints.chat import get_chat_encoder
 from hyserve.entrypoints.engine_args import cache_config_kwargs
@@ -108,7 +108,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def build_app(args: argparse.Namespace) -> FastAPI:
     cfg = engine_config_from_args(args)
-    served = getattr(args, "served_model_name", None) or cfg.model
+    default_name = EMBEDDED_MODEL_NAME if os.path.abspath(cfg.model) == EMBEDDED_MODEL_DIR else cfg.model
+    served = getattr(args, "served_model_name", None) or default_name
     holder: dict[str, Any] = {}
 
     @asynccontextmanager
