@@ -232,3 +232,19 @@ def test_the_all_command_runs_end_to_end_and_writes_the_outputs(tmp_path, one_th
     main(["expected", "--model", str(out), "--out", str(tmp_path / "expected.json"), "--prompt", "import json\\n"])
     expected = json.load(open(tmp_path / "expected.json"))
     assert expected["prompt"] == "import json\n" and isinstance(expected["completion"], str)
+
+
+def test_training_goes_on_from_a_checkpoint_with_its_tokenizer(tmp_path, one_thread):
+    from hyserve.train.__main__ import main
+
+    common = ["--size", "toy", "--modules", "json,textwrap,getopt,difflib", "--vocab-size", "600", "--rows", "2",
+              "--row-len", "128", "--eval-n", "2", "--device", "cpu", "--log-every", "50"]
+    first = tmp_path / "a" / "ckpt"
+    main(["all", "--out", str(first), "--work", str(tmp_path / "wa"), "--budget-minutes", "0.1", *common])
+    second = tmp_path / "b" / "ckpt"
+    main(["all", "--out", str(second), "--work", str(tmp_path / "wb"), "--budget-minutes", "0.02",
+          "--init-from", str(first), *common])
+    assert (second / "tokenizer.json").read_bytes() == (first / "tokenizer.json").read_bytes()
+    losses_a = json.load(open(tmp_path / "a" / "summary.json"))["losses"]
+    losses_b = json.load(open(tmp_path / "b" / "summary.json"))["losses"]
+    assert losses_b[0] < losses_a[0] - 0.5  # it starts where the first run got to, not from random

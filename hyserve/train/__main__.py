@@ -35,8 +35,12 @@ def load_examples(path: str) -> list[tuple[list[int], list[int]]]:
     return [(ids[a:b], mask[a:b]) for a, b in zip(off[:-1], off[1:])]
 
 
-def prepare(out: str, vocab_size: int, modules: list[str] | None = None, copies: float = 2.0) -> None:
-    """Corpus from `modules` (default: the whole stdlib here), BPE, encoded examples, the held-out split."""
+def prepare(out: str, vocab_size: int, modules: list[str] | None = None, copies: float = 2.0,
+            tokenizer_from: str | None = None) -> None:
+    """Corpus from `modules` (default: the whole stdlib here), BPE (or the tokenizer of the checkpoint
+    `tokenizer_from`, to go on training it), encoded examples, the held-out split."""
+    import shutil
+
     from hyserve.tokenizer import load_tokenizer
     from hyserve.train.bpe import save_tokenizer, train_bpe
     from hyserve.train.data import build_corpus, encode_corpus, split_modules, stdlib_modules
@@ -45,7 +49,12 @@ def prepare(out: str, vocab_size: int, modules: list[str] | None = None, copies:
     corpus = build_corpus(train_mods, copies=copies)
     from hyserve.train.data import corpus_texts
 
-    save_tokenizer(train_bpe(corpus_texts(corpus), vocab_size), out, MAX_LEN * 4)
+    if tokenizer_from:
+        os.makedirs(out, exist_ok=True)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(os.path.join(tokenizer_from, name), out)
+    else:
+        save_tokenizer(train_bpe(corpus_texts(corpus), vocab_size), out, MAX_LEN * 4)
     tok = load_tokenizer(out, "k3")
     torch.save(_flatten(encode_corpus(tok, corpus, MAX_LEN)), os.path.join(out, "train.pt"))
     held = build_corpus(eval_mods, seed=1, phrasings=1)
@@ -70,10 +79,17 @@ def fit(args: argparse.Namespace, deadline: float = float("inf")) -> dict:
     from hyserve.train.trainer import TrainConfig, new_model, save_checkpoint, train
 
     tok = load_tokenizer(args.data, "k3")
-    raw = model_config(args, tok)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(args.seed)
-    model = new_model(raw, device, args.seed)
+    if args.init_from:  # go on training a checkpoint (fresh optimizer state, a new warm-up and schedule)
+        from hyserve.models.loader import load_model
+
+        with open(os.path.join(args.init_from, "config.json")) as f:
+            raw = json.load(f)
+        model = load_model(args.init_from, torch.float32, device).train().requires_grad_(True)
+    else:
+        raw = model_config(args, tok)
+        model = new_model(raw, device, args.seed)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e6:.1f}M parameters on {device}", flush=True)
     examples = load_examples(os.path.join(args.data, "train.pt"))
@@ -117,7 +133,8 @@ def run_all(args: argparse.Namespace) -> dict:
     os.makedirs(args.work, exist_ok=True)
     if args.data is None:
         args.data = os.path.join(args.work, "data")
-        prepare(args.data, args.vocab_size, args.modules.split(",") if args.modules else None, args.copies)
+        prepare(args.data, args.vocab_size, args.modules.split(",") if args.modules else None, args.copies,
+                tokenizer_from=args.init_from)
     prepared_s = time.perf_counter() - t0
     args.time_budget = args.budget_minutes * 60
     train_log = fit(args, deadline)
@@ -159,6 +176,8 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-steps", type=int, default=10**9)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--init-from", default=None,
+                   help="start from this checkpoint (its config and, with `all`, its tokenizer) instead of random")
     p.add_argument("--check", action="store_true", help="compare the fla path with the reference first")
     p.add_argument("--no-fla", action="store_true", help="torch reference KDA even on CUDA")
     p.add_argument("--autotune-configs", type=int, default=0,
