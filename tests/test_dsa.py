@@ -174,6 +174,25 @@ def test_sparse_mla_equals_dense_attention_masked_to_the_selected_rows():
 # ---- cache bytes ---------------------------------------------------------------------------------------------
 
 
+def test_sparse_mla_in_row_chunks_and_with_per_sequence_tables_equals_one_pass(monkeypatch):
+    from hyserve.ops import sparse_mla as sparse_mod
+
+    gen = torch.Generator().manual_seed(3)
+    h, dn, dr, dv, rank = 2, 8, 4, 6, 16
+    pages = _pages(gen, blocks=6)
+    tables = torch.tensor([[1, 3, 0], [5, 2, 4]])
+    seq = torch.tensor([0] * 9 + [1] * 5)
+    n = len(seq)
+    q_nope, q_rope = torch.randn(n, h, dn, generator=gen), torch.randn(n, h, dr, generator=gen)
+    kv_b = torch.randn(h * (dn + dv), rank, generator=gen)
+    idx = torch.cat([dsa.topk_causal(torch.randn(9, 12, generator=gen), torch.arange(3, 12), 5),
+                     dsa.topk_causal(torch.randn(5, 12, generator=gen), torch.arange(7, 12), 5)])
+    one = sparse_mla(q_nope, q_rope, pages, 0, tables[seq], idx, kv_b, rank, dv, 0.3)
+    monkeypatch.setattr(sparse_mod, "WORKSPACE_BYTES", 1)  # one row per chunk
+    chunked = sparse_mla(q_nope, q_rope, pages, 0, tables, idx, kv_b, rank, dv, 0.3, token_seq=seq)
+    torch.testing.assert_close(chunked, one, rtol=1e-5, atol=1e-6)  # BLAS blocking differs by row count
+
+
 def test_index_key_bytes_are_132_fp8_and_68_mxfp4_per_mla_layer():
     k31 = dict(preset_config("k3-mini"), index_n_heads=32, index_head_dim=128, index_topk=2048)
     k31["linear_attn_config"] = dict(k31["linear_attn_config"], full_attn_layers=list(range(4, 97, 4)),
@@ -212,6 +231,16 @@ def test_chunked_prefill_and_decode_match_one_pass(k31):
     (decode,) = run_steps(k31, [prompt], [[1] * 37])
     torch.testing.assert_close(chunked, one, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(decode, one, rtol=1e-4, atol=1e-5)
+
+
+def test_the_indexer_takes_long_prefills_in_row_chunks_with_the_same_selection(k31, monkeypatch):
+    gen = torch.Generator().manual_seed(8)
+    a, b = torch.randint(0, 512, (40,), generator=gen).tolist(), torch.randint(0, 512, (27,), generator=gen).tolist()
+    one = run_steps(k31, [a, b], [[30, 10], [27]])
+    monkeypatch.setattr(dsa, "WORKSPACE_BYTES", 24 * 40 * 3)  # three rows per chunk at a 40-token context
+    chunked = run_steps(k31, [a, b], [[30, 10], [27]])
+    for got, want in zip(chunked, one):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_a_mixed_batch_matches_sequences_run_alone(k31):

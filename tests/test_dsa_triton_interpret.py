@@ -71,6 +71,18 @@ def test_index_topk_matches_r1(kernels, fmt, query_lens, ctx):
         at += n
 
 
+def test_a_prefill_larger_than_the_workspace_is_taken_in_row_groups(kernels, monkeypatch):
+    idx_mod, _ = kernels
+    query_lens, ctx = [23, 1, 30], [40, 300, 30]
+    pool, bt, q, w, positions = index_case("fp8", query_lens, ctx, seed=3)
+    one = idx_mod.index_topk_fast(q, w, pool, 1, "fp8", bt, query_lens, ctx, positions, 16)
+    monkeypatch.setattr(dsa, "WORKSPACE_BYTES", 16 * 300 * 7)  # groups of at most 7 rows
+    groups = list(idx_mod._row_groups(query_lens, ctx, 7))
+    assert [g[1] - g[0] for g in groups] == [7, 7, 7, 7, 7, 7, 7, 5] and groups[3][2] == [0, 1, 2]
+    chunked = idx_mod.index_topk_fast(q, w, pool, 1, "fp8", bt, query_lens, ctx, positions, 16)
+    assert torch.equal(chunked, one)
+
+
 def test_scores_in_sort_keys_match_r1_and_mask_the_future(kernels):
     """Small chunks and tiles, so rows see key chunks wholly after their position (no cache reads)."""
     idx_mod, _ = kernels

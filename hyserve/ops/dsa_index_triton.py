@@ -184,11 +184,44 @@ def index_topk_fast(
 
     q [T, H, D] index queries (model dtype), w [T, H] fp32 head weights including H^-1/2. Queries are
     quantised by the byte-exact torch quantiser (one small elementwise pass), keys are read in place.
+    Stage 1 writes [rows, width] int64 sort keys: a step with more rows than fit in
+    `dsa.WORKSPACE_BYTES` (a long prefill) is taken in groups of rows, each as wide as its last position.
     """
     q8, w_folded = dsa.quantize_queries(q, w, ue8m0)
     width = max(context_lens)
-    comp = index_sort_keys(q8, w_folded, keys, layer, fmt, block_tables, query_lens, positions, width)
-    return topk_from_sort_keys(comp, positions, topk)
+    cap = max(1, dsa.WORKSPACE_BYTES // (16 * width))  # the keys and torch.topk's copy of them
+    if len(query_lens) == q.shape[0] or q.shape[0] <= cap:  # decode, or small enough: one pass
+        comp = index_sort_keys(q8, w_folded, keys, layer, fmt, block_tables, query_lens, positions, width)
+        return topk_from_sort_keys(comp, positions, topk)
+    out = torch.full((q.shape[0], min(topk, width)), -1, dtype=torch.long, device=q.device)
+    for tok0, tok1, seqs, lens, hi in _row_groups(query_lens, context_lens, cap):
+        rows = slice(tok0, tok1)
+        tables = block_tables[torch.tensor(seqs, device=block_tables.device)]
+        comp = index_sort_keys(q8[rows], w_folded[rows], keys, layer, fmt, tables, lens, positions[rows], hi)
+        sel = topk_from_sort_keys(comp, positions[rows], topk)
+        out[rows, : sel.shape[1]] = sel
+    return out
+
+
+def _row_groups(query_lens: list[int], context_lens: list[int], cap: int):
+    """Consecutive token ranges of `cap` rows (the last may be shorter), filled greedily: (first token, end
+    token, the sequence of each piece, each piece's rows, one past the group's last position). A sequence's
+    rows may be split over groups; its new tokens sit at positions context - query_len onwards."""
+    tok, group = 0, [0, 0, [], [], 0]
+    for i, (n, ctx) in enumerate(zip(query_lens, context_lens)):
+        a = 0
+        while a < n:
+            rows = min(n - a, cap - (group[1] - group[0]))
+            group[1] += rows
+            group[2].append(i)
+            group[3].append(rows)
+            group[4] = max(group[4], ctx - n + a + rows)
+            a, tok = a + rows, tok + rows
+            if group[1] - group[0] == cap:
+                yield group
+                group = [tok, tok, [], [], 0]
+    if group[1] > group[0]:
+        yield group
 
 
 def sort_key_scores(comp: torch.Tensor) -> torch.Tensor:

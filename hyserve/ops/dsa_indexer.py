@@ -22,6 +22,9 @@ _E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 _E2M1_BOUNDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
 
 KEY_FORMATS = ("fp8", "mxfp4", "raw")
+# A long prefill scores [rows, context] per sequence: query rows are taken in chunks whose scores and
+# sort temporaries stay under this many bytes (at 128K tokens all rows at once would need 64 GB+).
+WORKSPACE_BYTES = 1 << 30
 
 
 def key_record_bytes(fmt: str, head_dim: int, raw_elem_bytes: int = 2) -> int:

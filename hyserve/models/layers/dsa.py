@@ -99,7 +99,15 @@ class Indexer(nn.Module):
                 continue
             pos = torch.arange(ctx, device=x.device)
             stored = keys[batch.block_tables[i, pos // bs], layer, pos % bs]
-            out[sl] = dsa.topk_causal(self.scores(q[sl], w[sl], stored, k.dtype), qpos, self.topk)
+            # row chunks bound the [rows, ctx] scores and their sort, and a chunk scores only the keys
+            # up to its last row's position (causal: the rest could not be selected)
+            step = max(1, dsa.WORKSPACE_BYTES // (24 * ctx))
+            for a in range(0, n, step):
+                b = min(n, a + step)
+                hi = min(ctx, int(qpos[a:b].max()) + 1)
+                rows = slice(cu[i] + a, cu[i] + b)
+                sel = dsa.topk_causal(self.scores(q[rows], w[rows], stored[:hi], k.dtype), qpos[a:b], self.topk)
+                out[rows, : sel.shape[1]] = sel
         return out
 
     def scores(self, q: torch.Tensor, w: torch.Tensor, stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -113,12 +121,6 @@ class Indexer(nn.Module):
         return dsa.index_scores_q(q8, w_folded, dsa.dequantize_mxfp4_keys(stored), None)
 
 
-def token_block_tables(batch: Batch) -> torch.Tensor:
-    """Each token's sequence's block table [T, B]."""
-    q = torch.tensor(batch.query_lens, device=batch.block_tables.device)
-    return batch.block_tables.repeat_interleave(q, 0)
-
-
 def token_seq_ids(batch: Batch) -> torch.Tensor:
     """Each token's sequence index [T] (int32; the GPU kernels read block tables per sequence)."""
     dev = batch.block_tables.device
@@ -128,4 +130,4 @@ def token_seq_ids(batch: Batch) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(batch.num_seqs, device=dev, dtype=torch.int32), q)
 
 
-__all__ = ["Indexer", "IndexKeyNorm", "sparse_mla", "token_block_tables", "token_seq_ids"]
+__all__ = ["Indexer", "IndexKeyNorm", "sparse_mla", "token_seq_ids"]

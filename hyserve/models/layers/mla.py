@@ -8,7 +8,7 @@ from torch import nn
 
 from hyserve.models.batch import Batch, CacheTensors
 from hyserve.models.config import ModelConfig
-from hyserve.models.layers.dsa import Indexer, sparse_mla, token_block_tables, token_seq_ids
+from hyserve.models.layers.dsa import Indexer, sparse_mla, token_seq_ids
 from hyserve.models.layers.norm import RMSNorm
 from hyserve.models.layers.rope import Rotary
 from hyserve.ops import mla_attention as mla_ops
@@ -81,8 +81,8 @@ class MLAttention(nn.Module):
                 )
                 return self.project_out(o, x)
             o = sparse_mla(
-                q_nope, q_rope, pages, layer, token_block_tables(batch), selected,
-                self.kv_b_proj.weight, self.rank, self.dv, self.scale,
+                q_nope, q_rope, pages, layer, batch.block_tables, selected,
+                self.kv_b_proj.weight, self.rank, self.dv, self.scale, token_seq=token_seq_ids(batch),
             )
             return self.project_out(o, x)
         if fast_path(x):
