@@ -33,6 +33,9 @@ class CachePlan:
     page_bytes: int  # bytes of one block row
     slot_bytes: int  # bytes of one state slot
     index_key_bytes: int = 0  # of page_bytes, the DSA index keys of one block row
+    # The last block and the last slot are scratch (CUDA-graph padding rows write there): no pool holds
+    # them, so no request or checkpoint can ever be given one.
+    scratch: bool = False
 
     def describe(self) -> str:
         gib = 1 << 30
@@ -44,11 +47,16 @@ class CachePlan:
             f"cache tokens ({self.num_blocks * self.page_bytes / gib:.3f} GiB{index}); {self.num_slots} KDA state slots "
             f"({self.num_checkpoint_slots} for prefix checkpoints) x {self.slot_bytes / (1 << 20):.2f} MiB = "
             f"{self.num_slots * self.slot_bytes / gib:.3f} GiB"
+            + ("; 1 page and 1 slot of these reserved as CUDA-graph padding scratch" if self.scratch else "")
         )
 
 
-def plan_cache(cfg: EngineConfig, model: KimiForCausalLM, dtype: torch.dtype, max_model_len: int) -> CachePlan:
+def plan_cache(
+    cfg: EngineConfig, model: KimiForCausalLM, dtype: torch.dtype, max_model_len: int, scratch: bool = False
+) -> CachePlan:
+    """`scratch`: set aside one page and one state slot for CUDA-graph padding rows (CachePlan.scratch)."""
     mc = model.config
+    extra = int(scratch)
     elem = torch.finfo(dtype).bits // 8
     page_bytes = max(1, len(mc.mla_layers)) * cfg.block_size * mc.kv_row_width * elem
     # DSA index keys share the block row with the latent (0 without an indexer)
@@ -71,21 +79,24 @@ def plan_cache(cfg: EngineConfig, model: KimiForCausalLM, dtype: torch.dtype, ma
         ckpt_slots = max(4, min(4 * run_slots, int(0.25 * budget) // slot_bytes))
     else:
         ckpt_slots = 0
-    num_slots = cfg.num_state_slots if cfg.num_state_slots is not None else run_slots + ckpt_slots
+    # the scratch slot comes on top of the sized default, so max_num_seqs requests can still run; an
+    # explicit --num-state-slots count includes it
+    num_slots = cfg.num_state_slots if cfg.num_state_slots is not None else run_slots + ckpt_slots + extra
     if cfg.num_state_slots is not None:
-        ckpt_slots = max(0, num_slots - run_slots) if cfg.enable_prefix_caching else 0
+        ckpt_slots = max(0, num_slots - extra - run_slots) if cfg.enable_prefix_caching else 0
     if cfg.num_gpu_blocks is not None:
         num_blocks = cfg.num_gpu_blocks
     else:
         num_blocks = (budget - num_slots * slot_bytes) // page_bytes
-    if num_blocks * cfg.block_size < cfg.block_size or num_slots < 1:
+    if num_blocks - extra < 1 or num_slots - extra - ckpt_slots < 1:
         raise MemoryError(
             f"the cache budget ({budget / (1 << 30):.2f} GiB) cannot hold one page and {num_slots} state slots "
             f"of {slot_bytes / (1 << 20):.1f} MiB: lower --max-num-seqs or raise the memory budget"
         )
     if num_blocks * cfg.block_size < max_model_len:
         log.warning("the page pool holds %d tokens, fewer than max_model_len %d", num_blocks * cfg.block_size, max_model_len)
-    return CachePlan(num_blocks, num_slots, ckpt_slots, cfg.block_size, page_bytes, slot_bytes, index_key_bytes=index_bytes)
+    return CachePlan(num_blocks, num_slots, ckpt_slots, cfg.block_size, page_bytes, slot_bytes,
+                     index_key_bytes=index_bytes, scratch=scratch)
 
 
 class BlockPool:
@@ -172,12 +183,17 @@ class KVCacheManager:
         self.plan = plan
         self.block_size = plan.block_size
         self.tensors: CacheTensors = model.make_cache(plan.num_blocks, plan.block_size, plan.num_slots, dtype)
-        self.blocks = BlockPool(plan.num_blocks)
+        extra = int(plan.scratch)
+        # the scratch page and slot are the last ones, outside every pool (CachePlan.scratch)
+        self.blocks = BlockPool(plan.num_blocks - extra)
+        self.scratch_block: int | None = plan.num_blocks - 1 if plan.scratch else None
+        usable = plan.num_slots - extra
+        self.scratch_slot: int | None = usable if plan.scratch else None
         # running requests and prefix checkpoints draw from disjoint ranges of the same state tensors,
         # so checkpoints can never starve admission
-        run = plan.num_slots - plan.num_checkpoint_slots
+        run = usable - plan.num_checkpoint_slots
         self.slots = SlotPool(0, run)
-        self.checkpoint_slots = SlotPool(run, plan.num_slots)
+        self.checkpoint_slots = SlotPool(run, usable)
 
     def blocks_needed(self, req: Request, num_tokens: int) -> int:
         return max(0, -(-num_tokens // self.block_size) - len(req.block_ids))

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hyserve.config import EngineConfig
+from hyserve.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from hyserve.engine.kv_cache import KVCacheManager, plan_cache
 from hyserve.engine.model_runner import ModelRunner
 from hyserve.engine.request import Request, RequestStatus
@@ -50,7 +51,13 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, cfg: EngineConfig, model=None, tokenizer: Tokenizer | None = None):
+    def __init__(
+        self, cfg: EngineConfig, model=None, tokenizer: Tokenizer | None = None, *, cuda_graphs: bool | None = None
+    ):
+        """`cuda_graphs`: None = capture decode graphs on CUDA when HYSERVE_CUDA_GRAPHS=1, unless
+        cfg.enforce_eager. Opt-in until tests/gpu/test_cuda_graphs_gpu.py has passed on a GPU; then the
+        default becomes vLLM's (on unless --enforce-eager). True on the CPU runs decode steps through
+        the same static, padded buffers without a graph: for tests of that path."""
         self.cfg = cfg
         device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
         torch.manual_seed(cfg.seed)
@@ -63,12 +70,21 @@ class LLMEngine:
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(cfg.max_model_len or limit, limit)
         cache_dtype = self.model.dtype if cfg.kv_cache_dtype == "auto" else resolve_dtype(cfg.kv_cache_dtype, self.model_config)
-        self.cache_plan = plan_cache(cfg, self.model, cache_dtype, self.max_model_len)
+        if cuda_graphs is None:
+            opted_in = os.environ.get("HYSERVE_CUDA_GRAPHS") == "1"
+            cuda_graphs = self.device.type == "cuda" and not cfg.enforce_eager and opted_in
+        self.cache_plan = plan_cache(cfg, self.model, cache_dtype, self.max_model_len, scratch=cuda_graphs)
         log.info(self.cache_plan.describe())
         self.kv = KVCacheManager(self.model, self.cache_plan, cache_dtype)
         self.prefix_cache = self._make_prefix_cache()
         self.scheduler = Scheduler(cfg, self.kv, self.prefix_cache)
-        self.runner = ModelRunner(self.model, self.kv)
+        graphs = None
+        if cuda_graphs:
+            # a decode step has at most one token per sequence, so the token budget caps it too
+            sizes = graph_batch_sizes(min(cfg.max_num_seqs, cfg.max_num_batched_tokens))
+            graphs = DecodeGraphs(self.model, self.kv, self.max_model_len, sizes)
+            graphs.capture()  # after the cache is allocated: graphs take what memory is left
+        self.runner = ModelRunner(self.model, self.kv, graphs)
         self.sampler = Sampler()
         self.eos_token_ids = list(self.model_config.eos_token_ids) or [self.tokenizer.eos_token_id]
         self.parents: dict[str, _Parent] = {}

@@ -6,8 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
+from hyserve.engine.cuda_graphs import DecodeGraphs
 from hyserve.engine.kv_cache import KVCacheManager
-from hyserve.engine.scheduler import SchedulerOutput
+from hyserve.engine.request import Request
+from hyserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from hyserve.models.batch import Batch
 from hyserve.models.kimi import KimiForCausalLM
 
@@ -19,9 +21,15 @@ class StepLogits:
     prompt_logits: dict[int, torch.Tensor]  # seq index -> [num_new_tokens, V] for prompt_logprobs
 
 
+def _wants_prompt_logits(s: ScheduledSeq) -> bool:
+    return s.req.params.prompt_logprobs is not None and s.start < s.req.num_prompt_tokens
+
+
 class ModelRunner:
-    def __init__(self, model: KimiForCausalLM, kv: KVCacheManager):
-        self.model, self.kv = model, kv
+    def __init__(self, model: KimiForCausalLM, kv: KVCacheManager, graphs: DecodeGraphs | None = None):
+        """`graphs`: decode steps that fit its ladder run through its static buffers (replayed CUDA
+        graphs on the GPU); every other step runs eagerly."""
+        self.model, self.kv, self.graphs = model, kv, graphs
         self.device = model.device
 
     def build_batch(self, out: SchedulerOutput) -> tuple[torch.Tensor, Batch]:
@@ -40,8 +48,18 @@ class ModelRunner:
         )
         return torch.tensor(ids, dtype=torch.long, device=self.device), batch
 
+    def uses_graph(self, out: SchedulerOutput) -> bool:
+        """One new token per sequence, no prompt logprobs, and a batch the ladder covers."""
+        if self.graphs is None or not out.seqs:
+            return False
+        if any(s.num_new_tokens != 1 or _wants_prompt_logits(s) for s in out.seqs):
+            return False
+        return self.graphs.size_for(len(out.seqs), max(len(s.req.block_ids) for s in out.seqs)) is not None
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepLogits:
+        if self.uses_graph(out):
+            return self._execute_graph(out)
         input_ids, batch = self.build_batch(out)
         hidden = self.model(input_ids, batch, self.kv.tensors)
         cu = batch.cu_seqlens.tolist()
@@ -50,7 +68,27 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[last])
         prompt_logits = {}
         for i, s in enumerate(out.seqs):
-            if s.req.params.prompt_logprobs is not None and s.start < s.req.num_prompt_tokens:
+            if _wants_prompt_logits(s):
                 end = min(s.end, s.req.num_prompt_tokens)
                 prompt_logits[i] = self.model.compute_logits(hidden[cu[i] : cu[i] + end - s.start])
         return StepLogits(sample_rows, logits, prompt_logits)
+
+    def _execute_graph(self, out: SchedulerOutput) -> StepLogits:
+        seqs = out.seqs
+        logits = self.graphs.run(
+            token_ids=[_token_at(s.req, s.start) for s in seqs],
+            context_lens=[s.end for s in seqs],
+            block_tables=[s.req.block_ids for s in seqs],
+            state_slots=[s.req.state_slot for s in seqs],
+            fresh_state=[s.req.fresh_state for s in seqs],
+        )
+        sample_rows = [i for i, s in enumerate(seqs) if s.samples]
+        if len(sample_rows) < len(seqs):  # a one-token prefill chunk that does not reach the prompt's end
+            logits = logits[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
+        return StepLogits(sample_rows, logits, {})
+
+
+def _token_at(req: Request, i: int) -> int:
+    # all_token_ids would concatenate the whole sequence for every row of every step
+    n = req.num_prompt_tokens
+    return req.prompt_token_ids[i] if i < n else req.output_token_ids[i - n]

@@ -20,10 +20,9 @@ def add_cache_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) ->
                    help="KV cache pages to allocate, instead of sizing the pool from memory")
     p.add_argument("--num-checkpoint-slots", type=int, default=None, metavar="N",
                    help="state slots reserved for prefix-cache checkpoints (default: sized by the engine)")
-    # No CUDA graphs exist yet, so the engine always runs eagerly; the flag is accepted so that vLLM
-    # command lines work, and it is carried into EngineConfig for when graphs arrive.
     p.add_argument("--enforce-eager", action="store_true", default=None,
-                   help="never capture CUDA graphs (the engine currently always runs eagerly)")
+                   help="never capture CUDA graphs: decode steps run eagerly (default on CUDA: graphs for "
+                        "decode batches up to min(max-num-seqs, 512))")
 
 
 def cache_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
