@@ -17,6 +17,7 @@ from hyserve.train.bpe import save_tokenizer, train_bpe
 from hyserve.train.data import (
     LOOKUP_TOOL,
     build_corpus,
+    chat_messages,
     corpus_texts,
     encode_chat,
     held_out,
@@ -40,7 +41,7 @@ MODULES = ["json", "textwrap"]
 
 @pytest.fixture(scope="module")
 def corpus():
-    return build_corpus(MODULES, phrasings=1, copies=1)
+    return build_corpus(MODULES, phrasings=1, copies=1, choices=0.5)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,7 @@ def tok_dir(tmp_path_factory, corpus):
 
 
 def test_corpus_is_deterministic_and_grounded_in_the_stdlib(corpus):
-    again = build_corpus(MODULES, phrasings=1, copies=1)
+    again = build_corpus(MODULES, phrasings=1, copies=1, choices=0.5)
     assert again == corpus
     names = {s.name for s in corpus.symbols}
     assert "json.dumps" in names and "textwrap.dedent" in names
@@ -69,6 +70,19 @@ def test_made_up_symbols_can_only_be_answered_by_copying(corpus):
         assert name not in real and name in user["content"]  # asked for, never trained on as a real symbol
         signature = tool["content"].split("\n\n")[0]
         assert signature.startswith(name + "(") and f"`{signature}`" in answer["content"]
+
+
+@pytest.mark.parametrize("choice", ["required", "none"])
+def test_tool_choice_exchanges_train_the_reply_to_the_prompt_a_request_with_that_choice_gets(tok_dir, choice):
+    from hyserve.train.data import choice_segments, encode_segments
+
+    tok = load_tokenizer(tok_dir, "k3")
+    sym = build_corpus(["json"], phrasings=1).symbols[0]
+    conv = tool_messages(sym, random.Random(0))[:2] if choice == "required" else chat_messages(sym, random.Random(0))
+    ids, mask = encode_segments(tok, choice_segments(conv, choice))
+    prompt = encode_k3(tok, conv[:1], [LOOKUP_TOOL], tool_choice=choice)  # what the server sends the model
+    assert ids[: len(prompt)] == prompt and not any(mask[: len(prompt)]) and all(mask[len(prompt) :])
+    assert f"tool_choice={choice}" in tok.decode(prompt, skip_special_tokens=False)
 
 
 def test_trimming_autotuners_keeps_the_lightest_configs():

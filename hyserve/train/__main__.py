@@ -36,7 +36,7 @@ def load_examples(path: str) -> list[tuple[list[int], list[int]]]:
 
 
 def prepare(out: str, vocab_size: int, modules: list[str] | None = None, copies: float = 2.0,
-            tokenizer_from: str | None = None) -> None:
+            tokenizer_from: str | None = None, choices: float = 0.3) -> None:
     """Corpus from `modules` (default: the whole stdlib here), BPE (or the tokenizer of the checkpoint
     `tokenizer_from`, to go on training it), encoded examples, the held-out split."""
     import shutil
@@ -46,7 +46,7 @@ def prepare(out: str, vocab_size: int, modules: list[str] | None = None, copies:
     from hyserve.train.data import build_corpus, encode_corpus, split_modules, stdlib_modules
 
     train_mods, eval_mods = split_modules(modules or stdlib_modules())
-    corpus = build_corpus(train_mods, copies=copies)
+    corpus = build_corpus(train_mods, copies=copies, choices=choices)
     from hyserve.train.data import corpus_texts
 
     if tokenizer_from:
@@ -134,7 +134,7 @@ def run_all(args: argparse.Namespace) -> dict:
     if args.data is None:
         args.data = os.path.join(args.work, "data")
         prepare(args.data, args.vocab_size, args.modules.split(",") if args.modules else None, args.copies,
-                tokenizer_from=args.init_from)
+                tokenizer_from=args.init_from, choices=args.choices)
     prepared_s = time.perf_counter() - t0
     args.time_budget = args.budget_minutes * 60
     train_log = fit(args, deadline)
@@ -191,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     pp.add_argument("--out", required=True)
     pp.add_argument("--vocab-size", type=int, default=8192)
     pp.add_argument("--copies", type=float, default=2.0, help="made-up-symbol tool conversations per symbol")
+    pp.add_argument("--choices", type=float, default=0.3,
+                    help="exchanges per symbol under tool_choice required, and as many under none")
     pf = sub.add_parser("fit")
     pf.add_argument("--data", required=True)
     pf.add_argument("--time-budget", type=float, default=float("inf"), help="seconds of training")
@@ -201,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     pa.add_argument("--data", default=None, help="data already written by `prepare` (skips that step)")
     pa.add_argument("--vocab-size", type=int, default=8192)
     pa.add_argument("--copies", type=float, default=2.0, help="made-up-symbol tool conversations per symbol")
+    pa.add_argument("--choices", type=float, default=0.3,
+                    help="exchanges per symbol under tool_choice required, and as many under none")
     pa.add_argument("--modules", default=None, help="comma-separated stdlib modules (default: all)")
     pa.add_argument("--budget-minutes", type=float, default=14.0, help="wall clock of the training steps")
     pa.add_argument("--deadline-minutes", type=float, default=None,
@@ -213,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     pe.add_argument("--prompt", default="import json\n\n\ndef load(path):\n")
     args = p.parse_args(argv)
     if args.cmd == "prepare":
-        prepare(args.out, args.vocab_size, copies=args.copies)
+        prepare(args.out, args.vocab_size, copies=args.copies, choices=args.choices)
     elif args.cmd == "fit":
         fit(args)
     elif args.cmd == "all":

@@ -260,7 +260,10 @@ def assistant_flags(segments: Sequence[Segment]) -> list[bool]:
 
 def encode_chat(tok: Tokenizer, messages: list[dict], tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
     """(ids, mask) of a whole conversation; mask 1 on assistant-generated tokens."""
-    segments = render_k3(messages, tools, add_generation_prompt=False)
+    return encode_segments(tok, render_k3(messages, tools, add_generation_prompt=False))
+
+
+def encode_segments(tok: Tokenizer, segments: list[Segment]) -> tuple[list[int], list[int]]:
     ids: list[int] = []
     mask: list[int] = []
     for seg, flag in zip(segments, assistant_flags(segments)):
@@ -318,11 +321,17 @@ class Corpus:
     tool: list[list[dict]]
     symbols: list[Symbol]
     copy: list[list[dict]] = field(default_factory=list)
+    # one exchange each, under `tool_choice` "required" (the call) and "none" (a direct answer with the
+    # tool declared): the encoding announces either choice in an internal message the model must obey
+    forced: list[list[dict]] = field(default_factory=list)
+    declined: list[list[dict]] = field(default_factory=list)
 
 
-def build_corpus(modules: Sequence[str], seed: int = 0, phrasings: int = 3, copies: float = 0.0) -> Corpus:
-    """Code chunks plus `phrasings` chat and tool conversations per symbol of `modules`, and
-    `copies` made-up-symbol tool conversations per real symbol."""
+def build_corpus(modules: Sequence[str], seed: int = 0, phrasings: int = 3, copies: float = 0.0,
+                 choices: float = 0.0) -> Corpus:
+    """Code chunks plus `phrasings` chat and tool conversations per symbol of `modules`, `copies`
+    made-up-symbol tool conversations per real symbol, and `choices` exchanges per symbol under each of
+    tool_choice "required" and "none"."""
     rng = random.Random(seed)
     symbols = collect_symbols(modules)
     chat, tool = [], []
@@ -333,7 +342,21 @@ def build_corpus(modules: Sequence[str], seed: int = 0, phrasings: int = 3, copi
     pieces = _fragments(part for s in symbols for part in s.name.split("."))
     taken = {s.name for s in symbols}
     copy = [tool_messages(_made_up_symbol(rng, symbols, pieces, taken), rng) for _ in range(int(copies * len(symbols)))]
-    return Corpus(code_documents(modules), chat, tool, symbols, copy)
+    n_choice = int(choices * len(symbols))
+    forced = [tool_messages(sym, rng)[:2] for sym in rng.sample(symbols, min(n_choice, len(symbols)))]
+    declined = [chat_messages(sym, rng) for sym in rng.sample(symbols, min(n_choice, len(symbols)))]
+    return Corpus(code_documents(modules), chat, tool, symbols, copy, forced, declined)
+
+
+def choice_segments(messages: list[dict], tool_choice: str) -> list[Segment]:
+    """A (user, assistant) exchange with the lookup tool declared and `tool_choice` announced where a
+    request with that choice puts it: after the user's message, before the assistant's turn."""
+    user = render_k3(messages[:1], [LOOKUP_TOOL], add_generation_prompt=False)
+    announced = render_k3(messages[:1], [LOOKUP_TOOL], tool_choice=tool_choice, add_generation_prompt=False)
+    whole = render_k3(messages, [LOOKUP_TOOL], add_generation_prompt=False)
+    if whole[: len(user)] != user:
+        raise AssertionError("the rendering of a conversation does not start with that of its first message")
+    return announced + whole[len(user) :]
 
 
 def corpus_texts(corpus: Corpus) -> Iterable[str]:
@@ -357,4 +380,6 @@ def encode_corpus(tok: Tokenizer, corpus: Corpus, max_len: int) -> list[tuple[li
         out.append(encode_chat(tok, conv))
     for conv in corpus.tool + corpus.copy:
         out.append(encode_chat(tok, conv, [LOOKUP_TOOL]))
+    for convs, choice in ((corpus.forced, "required"), (corpus.declined, "none")):
+        out += [encode_segments(tok, choice_segments(conv, choice)) for conv in convs]
     return [(ids[:max_len], mask[:max_len]) for ids, mask in out]
