@@ -262,3 +262,14 @@ def test_training_goes_on_from_a_checkpoint_with_its_tokenizer(tmp_path, one_thr
     losses_a = json.load(open(tmp_path / "a" / "summary.json"))["losses"]
     losses_b = json.load(open(tmp_path / "b" / "summary.json"))["losses"]
     assert losses_b[0] < losses_a[0] - 0.5  # it starts where the first run got to, not from random
+
+
+def test_made_up_parameter_lists_are_valid_python_signatures():
+    import ast
+
+    from hyserve.train.data import _made_up_params
+
+    rng = random.Random(0)
+    for _ in range(300):
+        params = _made_up_params(rng, ["load", "Text", "wrap", "json"])
+        ast.parse(f"def f{params}: pass")  # raises on a malformed list

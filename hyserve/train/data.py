@@ -296,9 +296,36 @@ def _made_up_symbol(rng: random.Random, real: Sequence[Symbol], pieces: Sequence
     return sym
 
 
+_DEFAULTS = ("None", "True", "False", "0", "1", "-1", "''", "'utf-8'", "()", "8192", "0.5")
+
+
+def _made_up_params(rng: random.Random, pieces: Sequence[str]) -> str:
+    """A parameter list of 0-6 made-up names: positional, keyword-only after `*`, with defaults, and
+    sometimes `/`, `*args` or `**kwargs`."""
+    names = list(dict.fromkeys("_".join(rng.choice(pieces).lower() for _ in range(rng.randint(1, 2)))
+                               for _ in range(rng.randint(0, 6))))
+    parts, defaults, star, slash = [], False, False, False
+    for i, name in enumerate(names):
+        if not star and i and rng.random() < 0.15:
+            parts.append("*")
+            star = True
+        defaults = defaults or star or rng.random() < 0.35
+        parts.append(f"{name}={rng.choice(_DEFAULTS)}" if defaults else name)
+        if not (star or defaults or slash) and rng.random() < 0.1:
+            parts.append("/")
+            slash = True
+    if not star and rng.random() < 0.15:
+        parts.append("*args")
+    if rng.random() < 0.15:
+        parts.append("**kwargs")
+    return "(" + ", ".join(parts) + ")"
+
+
 def _made_up_candidate(rng: random.Random, real: Sequence[Symbol], pieces: Sequence[str]) -> Symbol:
     doc_from, params_from = rng.choice(real), rng.choice(real)
-    params = params_from.signature[params_from.signature.index("(") :]
+    # half the parameter lists are made up too: a real one can be recalled instead of copied
+    params = params_from.signature[params_from.signature.index("(") :] if rng.random() < 0.5 \
+        else _made_up_params(rng, pieces)
     style = rng.random()
     if style < 0.3:
         module = rng.choice(real).module
