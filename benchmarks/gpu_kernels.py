@@ -1,7 +1,7 @@
 # ruff: noqa: B023  (timing lambdas run inside the loop that binds them)
-"""Kernel micro-benchmarks with their own floors: fused KDA decode (state bytes vs copy bandwidth), paged
-MLA decode (cache rows vs copy bandwidth), grouped MoE (distinct expert weights vs bandwidth, FLOPs vs
-matmul rate). `python benchmarks/gpu_kernels.py`."""
+"""Kernel micro-benchmarks with their own floors: fused KDA decode, one token and T tokens per sequence
+(state bytes vs copy bandwidth), paged MLA decode (cache rows vs copy bandwidth), grouped MoE (distinct
+expert weights vs bandwidth, FLOPs vs matmul rate). `python benchmarks/gpu_kernels.py`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from gpu_common import ceilings, report, time_ms
 
 from hyserve.models.layers.activation import GLU
 from hyserve.ops import moe as moe_ref
-from hyserve.ops.kda_decode import kda_decode
+from hyserve.ops.kda_decode import kda_decode, kda_decode_multi
 from hyserve.ops.mla_decode import mla_absorbed_decode_fast, mla_decode_latent
 from hyserve.ops.moe_gemv import experts_forward_gemv
 from hyserve.ops.moe_grouped import experts_forward_grouped
@@ -25,18 +25,7 @@ def kda_rows(ceil, gen) -> list[str]:
     p = h * k
     rows = []
     for n in (1, 64, 256):
-        bf = torch.bfloat16
-        slots = n + 8
-        x = torch.randn(n, 3 * p, device="cuda", generator=gen).to(bf)
-        f = torch.randn(n, p, device="cuda", generator=gen).to(bf)
-        b = torch.randn(n, h, device="cuda", generator=gen).to(bf)
-        g = torch.randn(n, p, device="cuda", generator=gen).to(bf)
-        cw = torch.randn(3 * p, w, device="cuda", generator=gen)
-        conv = torch.randn(slots, 3 * p, w - 1, device="cuda", generator=gen).to(bf)
-        rec = torch.randn(slots, h, k, k, device="cuda", generator=gen) * 0.02
-        alog, dtb, onw = torch.zeros(h, device="cuda"), torch.zeros(p, device="cuda"), torch.ones(k, device="cuda")
-        sl = torch.randperm(slots, device="cuda", generator=gen)[:n]
-        fresh = torch.zeros(n, dtype=torch.bool, device="cuda")
+        x, f, b, g, cw, conv, rec, alog, dtb, onw, sl, fresh = _kda_inputs(n, 1, h, k, w, gen)
         best = None
         default = time_ms(lambda: kda_decode(x, f, b, g, cw, conv, rec, alog, dtb, onw, sl, fresh, k**-0.5,
                                              1e-5, None), 3, 50)
@@ -51,6 +40,53 @@ def kda_rows(ceil, gen) -> list[str]:
         floor = byts / (ceil["copy_tbs"] * 1e12) * 1e3
         rows.append(f"| KDA decode, batch {n} | {ms * 1e3:.1f} µs | {byts / 1e6:.1f} MB | {byts / ms / 1e9:.2f} TB/s | "
                     f"{floor * 1e3:.1f} µs | {floor / ms:.0%} | {nw} |")
+    return rows
+
+
+def _kda_inputs(n: int, t: int, h: int, k: int, w: int, gen) -> tuple:
+    """Random bf16 inputs for n sequences x t tokens at h heads of dim k (conv width w), and the weights,
+    pools, slots (n of n + 8, shuffled) and fresh flags of `kda_decode`."""
+    p, bf, slots = h * k, torch.bfloat16, n + 8
+    x = torch.randn(n * t, 3 * p, device="cuda", generator=gen).to(bf)
+    f = torch.randn(n * t, p, device="cuda", generator=gen).to(bf)
+    b = torch.randn(n * t, h, device="cuda", generator=gen).to(bf)
+    g = torch.randn(n * t, p, device="cuda", generator=gen).to(bf)
+    cw = torch.randn(3 * p, w, device="cuda", generator=gen)
+    conv = torch.randn(slots, 3 * p, w - 1, device="cuda", generator=gen).to(bf)
+    rec = torch.randn(slots, h, k, k, device="cuda", generator=gen) * 0.02
+    alog, dtb, onw = torch.zeros(h, device="cuda"), torch.zeros(p, device="cuda"), torch.ones(k, device="cuda")
+    sl = torch.randperm(slots, device="cuda", generator=gen)[:n]
+    fresh = torch.zeros(n, dtype=torch.bool, device="cuda")
+    return x, f, b, g, cw, conv, rec, alog, dtb, onw, sl, fresh
+
+
+def kda_multi_rows(ceil, gen) -> list[str]:
+    """T tokens per sequence in one launch (speculative verification): the state still moves once per sequence,
+    so bytes grow only by the per-token inputs and outputs, while T single-token launches move it T times."""
+    h, k, w = 32, 128, 4
+    p = h * k
+    rows = []
+    for n, t in ((1, 4), (64, 4)) if QUICK else ((1, 2), (1, 4), (1, 8), (64, 2), (64, 4), (64, 8), (256, 4)):
+        x, f, b, g, *pools = _kda_inputs(n, t, h, k, w, gen)
+        args = (*pools, k**-0.5, 1e-5, None)
+        default = time_ms(lambda: kda_decode_multi(x, f, b, g, *args, t), 3, 50)
+        per_seq = [torch.arange(n, device="cuda") * t + j for j in range(t)]
+        xs, fs, bs, gs = ([y[r].contiguous() for r in per_seq] for y in (x, f, b, g))
+        singles = time_ms(lambda: [kda_decode(xs[j], fs[j], bs[j], gs[j], *args) for j in range(t)], 3, 30)
+        best = None
+        for bv in (16, 32) if QUICK else (8, 16, 32, 64):
+            for nw in (4, 8) if QUICK else (2, 4, 8):
+                ms = time_ms(lambda nw=nw, bv=bv: kda_decode_multi(x, f, b, g, *args, t, num_warps=nw, block_v=bv),
+                             3, 30)
+                best = (ms, f"block_v {bv}, num_warps {nw}") if best is None or ms < best[0] else best
+        ms, cfg = best
+        # state and conv tails read + written once per sequence; per token q|k|v, f, gate, β in and the output out
+        byts = n * (h * k * k * 4 * 2 + 3 * p * (w - 1) * 2 * 2) + n * t * (3 * p * 2 + 3 * p * 2 + h * 2)
+        floor = byts / (ceil["copy_tbs"] * 1e12) * 1e3
+        note = (f"best of sweep: {cfg}; default config {default * 1e3:.1f} µs; {t} single-token launches "
+                f"{singles * 1e3:.1f} µs")
+        rows.append(f"| KDA decode, batch {n} x {t} tokens | {ms * 1e3:.1f} µs | {byts / 1e6:.1f} MB | "
+                    f"{byts / ms / 1e9:.2f} TB/s | {floor * 1e3:.1f} µs | {floor / ms:.0%} | {note} |")
     return rows
 
 
@@ -117,7 +153,7 @@ def main(ceil=None) -> None:
     table = [f"Ceilings measured in this run: copy {ceil['copy_tbs']:.2f} TB/s (read+write), bf16 matmul "
              f"{ceil['mm_tflops']:.0f} TFLOP/s.", "",
              "| kernel | median | bytes | achieved | floor | floor/time | note |", "|---|---|---|---|---|---|---|"]
-    table += kda_rows(ceil, gen) + mla_rows(ceil, gen) + moe_rows(ceil, gen)
+    table += kda_rows(ceil, gen) + kda_multi_rows(ceil, gen) + mla_rows(ceil, gen) + moe_rows(ceil, gen)
     report("GPU kernel micro-benchmarks", "python benchmarks/gpu_kernels.py", table,
            ["Floors: bytes over the measured copy bandwidth (MoE: the larger of that and FLOPs over the "
             "matmul rate). Targets: KDA decode ≥80% at batch ≥64, MLA decode ≥70% at 32K."], "kernels.md")

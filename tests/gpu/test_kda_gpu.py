@@ -103,3 +103,53 @@ def test_prefill_varlen_matches_reference(lower_bound):
                                 init[i].double(), K**-0.5)
         assert rel_err(o[sl], orf) < 2e-2, i
         assert rel_err(final[i], sr) < 2e-2, i
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+@pytest.mark.parametrize("n", [1, 64])
+@pytest.mark.parametrize("t", [2, 4, 8])
+def test_multi_token_decode_kernel_matches_reference(lower_bound, n, t):
+    """T tokens per sequence in one launch against T single-token reference steps (spec §2.4, step 6)."""
+    from hyserve.ops.kda_decode import kda_decode_multi
+
+    gen = torch.Generator("cuda").manual_seed(1000 * t + n)
+    dev, bf = "cuda", torch.bfloat16
+    pr = _params(gen)
+    slots_total = n + 5
+    x = torch.randn(n * t, 3 * P, device=dev, generator=gen).to(bf)  # sequence-major rows
+    f = torch.randn(n * t, P, device=dev, generator=gen).to(bf)
+    b = torch.randn(n * t, H, device=dev, generator=gen).to(bf)
+    gate = torch.randn(n * t, P, device=dev, generator=gen).to(bf)
+    conv = torch.randn(slots_total, 2, 3 * P, W - 1, device=dev, generator=gen).to(bf)
+    rec = torch.randn(slots_total, 2, H, K, K, device=dev, generator=gen) * 0.1
+    slots = torch.randperm(slots_total, device=dev, generator=gen)[:n]
+    fresh = torch.rand(n, device=dev, generator=gen) < 0.3
+    if n == 1:
+        fresh[0] = t == 4  # both kinds at batch 1 too
+    conv[slots[fresh], 1] = float("nan")
+    rec[slots[fresh], 1] = float("nan")
+
+    tails = conv[slots, 1].masked_fill(fresh[:, None, None], 0).double()
+    st = rec[slots, 1].masked_fill(fresh[:, None, None, None], 0).double()
+    o_ref = torch.empty(n * t, P, dtype=torch.float64, device=dev)
+    for j in range(t):
+        r = torch.arange(n, device=dev) * t + j
+        y, tails = ref.short_conv_step(x[r].double(), pr["cw"].double(), tails)
+        q, k, v = y.to(bf).double().view(n, 3, H, K).unbind(1)
+        g = ref.kda_gate(f[r].view(n, H, K), pr["alog"], pr["dtb"], lower_bound).double()
+        o, st = ref.kda_recurrent(l2_normalize(q).double(), l2_normalize(k).double(), v, g, torch.sigmoid(b[r].double()),
+                                  st, K**-0.5)
+        o_ref[r] = gated_rms_norm(o, gate[r].view(n, H, K).double(), pr["onw"].double(), 1e-5).reshape(n, P).double()
+
+    others = torch.ones(slots_total, dtype=torch.bool, device=dev)
+    others[slots] = False
+    untouched = conv[:, 0].clone(), rec[:, 0].clone(), conv[others, 1].clone(), rec[others, 1].clone()
+    out = kda_decode_multi(x, f, b, gate, pr["cw"], conv[:, 1], rec[:, 1], pr["alog"], pr["dtb"], pr["onw"], slots,
+                           fresh, K**-0.5, 1e-5, lower_bound, t)
+    torch.cuda.synchronize()
+    assert out.shape == (n * t, P)
+    assert rel_err(out, o_ref) < 1e-2
+    assert rel_err(rec[slots, 1], st) < 1e-2
+    assert torch.equal(conv[slots, 1].double(), tails.to(bf).double())
+    assert torch.equal(conv[:, 0], untouched[0]) and torch.equal(rec[:, 0], untouched[1])
+    assert torch.equal(conv[others, 1], untouched[2]) and torch.equal(rec[others, 1], untouched[3])
