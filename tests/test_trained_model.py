@@ -108,3 +108,10 @@ def test_the_server_evaluation_counts_calls_names_and_signatures(server, tmp_pat
     res = evaluate_server(server, str(split), n=2, concurrency=2)
     assert res["n"] == 2 and res["tool_call"] == 1.0 and res["right_name"] == 1.0
     assert 0.0 <= res["signature"] <= 1.0
+
+
+def test_loading_a_sharded_checkpoint_shows_a_progress_bar(capsys):
+    from hyserve.models.loader import load_model
+
+    load_model(EMBEDDED_MODEL_DIR)
+    assert "Loading safetensors checkpoint shards: 100%" in capsys.readouterr().err

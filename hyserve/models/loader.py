@@ -123,7 +123,11 @@ def _safetensor_files(path: str) -> list[str]:
 
 
 def iter_checkpoint(path: str):
-    for file in _safetensor_files(path):
+    from tqdm import tqdm
+
+    files = _safetensor_files(path)
+    # a large checkpoint takes minutes to read: vLLM's bar, on stderr, when there is more than one shard
+    for file in tqdm(files, desc="Loading safetensors checkpoint shards", disable=len(files) <= 1, dynamic_ncols=True):
         with safe_open(file, framework="pt") as f:
             for key in f.keys():
                 yield key, f.get_tensor(key)
