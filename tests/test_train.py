@@ -273,3 +273,13 @@ def test_made_up_parameter_lists_are_valid_python_signatures():
     for _ in range(300):
         params = _made_up_params(rng, ["load", "Text", "wrap", "json"])
         ast.parse(f"def f{params}: pass")  # raises on a malformed list
+
+
+def test_a_missing_checkpoint_or_data_directory_is_a_usage_error(tmp_path, capsys):
+    from hyserve.train.__main__ import main
+
+    for argv in (["all", "--out", str(tmp_path / "o"), "--init-from", str(tmp_path / "nowhere")],
+                 ["fit", "--data", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o")]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and "nowhere" in capsys.readouterr().err

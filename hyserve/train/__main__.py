@@ -216,6 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     pe.add_argument("--out", default="tests/data/hyserve_tiny_k3_expected.json")
     pe.add_argument("--prompt", default="import json\n\n\ndef load(path):\n")
     args = p.parse_args(argv)
+    for flag, name in (("init_from", "config.json"), ("data", "train.pt")):
+        where = getattr(args, flag, None)
+        if where and not os.path.isfile(os.path.join(where, name)):
+            p.error(f"--{flag.replace('_', '-')} {where}: no {name} there")
     if args.cmd == "prepare":
         prepare(args.out, args.vocab_size, copies=args.copies, choices=args.choices)
     elif args.cmd == "fit":
