@@ -1,0 +1,98 @@
+"""Engine decode steps with and without CUDA graphs, side by side in one run: the whole engine path
+(scheduler, model runner, sampler, output) on the kimi-linear-48b-a3b preset with random bf16 weights.
+
+    python benchmarks/gpu_engine_decode.py                 # one H200; appends to docs/BENCHMARKS.md
+    python benchmarks/gpu_engine_decode.py --model k3-tiny --device cpu --batches 1,3 --no-append  # dry run
+
+For each batch size n, n requests with 512-token random prompts generate --output-len tokens (ignore_eos);
+decode-only steps are timed on the host (what a client waits for), once with an eager engine and once
+with decode graphs, around the same loaded weights. The floor is the bytes a step must read at the
+measured copy bandwidth (benchmarks/gpu_decode.py's count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+
+import torch
+from offline_throughput import timed_batch
+
+from hyserve import LLM, SamplingParams
+from hyserve.config import EngineConfig
+from hyserve.engine.llm_engine import LLMEngine
+from hyserve.models.loader import load_model
+from hyserve.tokenizer import load_tokenizer
+
+PROMPT = 512
+
+
+def decode_ms(model, tokenizer, args, n: int, graphs: bool) -> tuple[float, int]:
+    """(host ms per decode-only step, graphs captured) for n requests decoding together."""
+    cfg = EngineConfig(model=args.model, device=args.device, max_num_seqs=max(args.batch_list),
+                       max_model_len=PROMPT + args.output_len + 64, enforce_eager=not graphs,
+                       enable_prefix_caching=False)
+    engine = LLMEngine(cfg, model=model, tokenizer=tokenizer, cuda_graphs=graphs)
+    captured = len(engine.runner.graphs.graphs) if engine.runner.graphs is not None else 0
+    gen = torch.Generator().manual_seed(n)
+    prompts = [torch.randint(0, min(1000, model.config.vocab_size), (PROMPT,), generator=gen).tolist() for _ in range(n)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    _, phases = timed_batch(LLM.from_engine(engine), prompts, params)
+    steps = phases.decode_tokens / n
+    del engine
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return phases.decode_seconds / steps * 1e3, captured
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="kimi-linear-48b-a3b")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--batches", default="1,8,64")
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--no-append", action="store_true", help="print only; leave docs/BENCHMARKS.md alone")
+    args = p.parse_args(argv)
+    args.batch_list = [int(b) for b in args.batches.split(",")]
+    cuda = args.device == "cuda"
+    if cuda and args.model == "kimi-linear-48b-a3b":
+        from gpu_common import load_48b
+
+        model = load_48b()  # weights drawn on the GPU: a CPU init of 49B parameters takes minutes
+    else:
+        model = load_model(args.model, device=args.device)
+    tokenizer = load_tokenizer(None, model.config.tokenizer_family)
+    ceil = None
+    if cuda:
+        from gpu_common import ceilings
+
+        ceil = ceilings()
+    table = ["| batch | eager ms/step | graphs ms/step | speed-up | graphs captured | floor | floor/graphs |",
+             "|---|---|---|---|---|---|---|"]
+    for n in args.batch_list:
+        eager, _ = decode_ms(model, tokenizer, args, n, graphs=False)
+        graphed, captured = decode_ms(model, tokenizer, args, n, graphs=True)
+        floor = "n/a"
+        ratio = "n/a"
+        if ceil is not None:
+            from gpu_decode import step_bytes
+
+            ms = step_bytes(model.config, n, PROMPT + args.output_len // 2) / (ceil["copy_tbs"] * 1e12) * 1e3
+            floor, ratio = f"{ms:.2f} ms", f"{ms / graphed:.0%}"
+        table.append(f"| {n} | {eager:.2f} | {graphed:.2f} | {eager / graphed:.2f}x | {captured} | {floor} | {ratio} |")
+    notes = [f"Prompts of {PROMPT} tokens, {args.output_len} output tokens, prefix caching off; host time of the "
+             "decode-only steps (scheduler, runner, sampler included)."]
+    if ceil is not None:
+        notes.append(f"Copy bandwidth in this run: {ceil['copy_tbs']:.2f} TB/s.")
+    if args.no_append or not cuda:
+        print("\n".join(table + [""] + notes))
+        return
+    from gpu_common import report
+
+    report(f"Engine decode with and without CUDA graphs, {args.model}", "python benchmarks/gpu_engine_decode.py "
+           + " ".join(argv or []), table, notes, "gpu_engine_decode.md")
+
+
+if __name__ == "__main__":
+    main()
