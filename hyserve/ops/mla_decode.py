@@ -24,6 +24,35 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _softmax_tile(qc, qr, kc, kr, valid, m, l_sum, acc, qk_scale, DR: tl.constexpr, IEEE: tl.constexpr):
+    """One online-softmax step of a block of heads over a tile of cache rows (kc: the R latent columns,
+    also the value; kr: the d_r rope columns); rows not `valid` get no weight. Returns (m, l_sum, acc)."""
+    sc = _dot(qc, tl.trans(kc), IEEE)
+    if DR >= 16:
+        sc += _dot(qr, tl.trans(kr), IEEE)
+    else:  # tl.dot needs an inner size of at least 16
+        sc += tl.sum(qr[:, None, :].to(tl.float32) * kr[None, :, :].to(tl.float32), axis=2)
+    sc = tl.where(valid[None, :], sc * qk_scale, float("-inf"))  # log2 units
+    m_new = tl.maximum(m, tl.max(sc, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile with no valid row: no NaN
+    alpha = tl.exp2(m - m_safe)
+    p = tl.exp2(sc - m_safe[:, None])
+    l_sum = l_sum * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + _dot(p.to(kc.dtype), kc, IEEE)
+    return m_new, l_sum, acc
+
+
+@triton.jit
+def _store_split(o_ptr, s_oh, lse_ptr, heads, hmask, dr, m, l_sum, acc):
+    """A split's normalised partial output and its log2-sum-exp (-inf when it saw no row)."""
+    has = l_sum > 0
+    out = acc / tl.where(has, l_sum, 1.0)[:, None]
+    lse = tl.where(has, m + tl.log2(tl.where(has, l_sum, 1.0)), float("-inf"))
+    tl.store(o_ptr + heads[:, None] * s_oh + dr[None, :], out, mask=hmask[:, None])
+    tl.store(lse_ptr + heads, lse, mask=hmask)
+
+
+@triton.jit
 def _mla_split_kernel(
     q_ptr, s_qn, s_qh, pages_ptr, s_pb, s_pr, bt_ptr, s_btn, ctx_ptr,
     o_ptr, s_on, s_os, s_oh, lse_ptr, s_ln, s_ls,
@@ -54,23 +83,8 @@ def _mla_split_kernel(
         rows = pages_ptr + blk * s_pb + (pos % BS) * s_pr
         kc = tl.load(rows[:, None] + dr[None, :], mask=pmask[:, None], other=0.0)
         kr = tl.load(rows[:, None] + R + dq[None, :], mask=pmask[:, None], other=0.0)
-        sc = _dot(qc, tl.trans(kc), IEEE)
-        if DR >= 16:
-            sc += _dot(qr, tl.trans(kr), IEEE)
-        else:  # tl.dot needs an inner size of at least 16
-            sc += tl.sum(qr[:, None, :].to(tl.float32) * kr[None, :, :].to(tl.float32), axis=2)
-        sc = tl.where(pmask[None, :], sc * qk_scale, float("-inf"))  # log2 units
-        m_new = tl.maximum(m, tl.max(sc, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(sc - m_new[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot(p.to(kc.dtype), kc, IEEE)
-        m = m_new
-    has = l_sum > 0
-    out = acc / tl.where(has, l_sum, 1.0)[:, None]
-    lse = tl.where(has, m + tl.log2(tl.where(has, l_sum, 1.0)), float("-inf"))
-    tl.store(o_ptr + n * s_on + sp * s_os + heads[:, None] * s_oh + dr[None, :], out, mask=hmask[:, None])
-    tl.store(lse_ptr + n * s_ln + sp * s_ls + heads, lse, mask=hmask)
+        m, l_sum, acc = _softmax_tile(qc, qr, kc, kr, pmask, m, l_sum, acc, qk_scale, DR, IEEE)
+    _store_split(o_ptr + n * s_on + sp * s_os, s_oh, lse_ptr + n * s_ln + sp * s_ls, heads, hmask, dr, m, l_sum, acc)
 
 
 @triton.jit
@@ -124,9 +138,15 @@ def mla_decode_latent(
         BS=pages.shape[1], R=r, DR=dr, BH=bh, BN=block_n, IEEE=pages.dtype == torch.float32,
         num_warps=num_warps, num_stages=num_stages,
     )
+    return combine_splits(part, lse)
+
+
+def combine_splits(part: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Merge split-K partial outputs part [N, S, H, R] by their log2-sum-exp lse [N, S, H]: [N, H, R] fp32."""
+    n, num_splits, h, r = part.shape
     if num_splits == 1:
         return part[:, 0]
-    out = torch.empty(n, h, r, dtype=torch.float32, device=q_full.device)
+    out = torch.empty(n, h, r, dtype=torch.float32, device=part.device)
     br = min(r, 128)
     _mla_combine_kernel[(n, h, triton.cdiv(r, br))](
         part, *part.stride()[:3], lse, *lse.stride()[:2], out, out.stride(0), out.stride(1), num_splits,

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hyserve.ops.mla_decode import _dot, _mla_combine_kernel
+from hyserve.ops.mla_decode import _softmax_tile, _store_split, combine_splits
 
 
 @triton.jit
@@ -62,24 +62,8 @@ def _sparse_mla_split_kernel(
         elif WIDEN == 2:
             kc = kc.to(tl.float32)
             kr = kr.to(tl.float32)
-        sc = _dot(qc, tl.trans(kc), IEEE)
-        if DR >= 16:
-            sc += _dot(qr, tl.trans(kr), IEEE)
-        else:  # tl.dot needs an inner size of at least 16
-            sc += tl.sum(qr[:, None, :].to(tl.float32) * kr[None, :, :].to(tl.float32), axis=2)
-        sc = tl.where(valid[None, :], sc * qk_scale, float("-inf"))  # log2 units
-        m_new = tl.maximum(m, tl.max(sc, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile of padding only: no NaN
-        alpha = tl.exp2(m - m_safe)
-        p = tl.exp2(sc - m_safe[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot(p.to(kc.dtype), kc, IEEE)
-        m = m_new
-    has = l_sum > 0
-    out = acc / tl.where(has, l_sum, 1.0)[:, None]
-    lse = tl.where(has, m + tl.log2(tl.where(has, l_sum, 1.0)), float("-inf"))
-    tl.store(o_ptr + t * s_ot + sp * s_os + heads[:, None] * s_oh + dr[None, :], out, mask=hmask[:, None])
-    tl.store(lse_ptr + t * s_lt + sp * s_ls + heads, lse, mask=hmask)
+        m, l_sum, acc = _softmax_tile(qc, qr, kc, kr, valid, m, l_sum, acc, qk_scale, DR, IEEE)
+    _store_split(o_ptr + t * s_ot + sp * s_os, s_oh, lse_ptr + t * s_lt + sp * s_ls, heads, hmask, dr, m, l_sum, acc)
 
 
 def sparse_mla_latent(
@@ -122,15 +106,7 @@ def sparse_mla_latent(
         BS=pages.shape[1], R=r, DR=dr, BH=bh, BN=block_n, IEEE=dot_dtype == torch.float32, WIDEN=widen,
         num_warps=num_warps, num_stages=num_stages,
     )
-    if num_splits == 1:
-        out = part[:, 0]
-    else:
-        out = torch.empty(t, h, r, dtype=torch.float32, device=q.device)
-        br = min(r, 128)
-        _mla_combine_kernel[(t, h, triton.cdiv(r, br))](
-            part, *part.stride()[:3], lse, *lse.stride()[:2], out, out.stride(0), out.stride(1), num_splits,
-            BR=br, SP=triton.next_power_of_2(num_splits), num_warps=4,
-        )
+    out = combine_splits(part, lse)
     return out * kv_scale if kv_scale != 1.0 else out
 
 
