@@ -46,6 +46,10 @@ def plot_pareto(results: Sequence[dict], path: str | Path, percentile: str = "p5
     ax.set_title("Interactivity vs throughput")
     ax.grid(True, alpha=0.3)
     ax.legend()
+    return _save(plt, fig, path)
+
+
+def _save(plt, fig, path: str | Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -72,7 +76,4 @@ def plot_latency(
         ax.minorticks_off()
         ax.grid(True, alpha=0.3)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
+    return _save(plt, fig, path)

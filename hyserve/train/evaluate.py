@@ -58,12 +58,18 @@ def answer_prompt(tok, sym: Symbol, rng: random.Random) -> list[int]:
 
 def after_call(sym: Symbol, name: str | None, by_name: dict[str, Symbol], rng: random.Random) -> list[dict]:
     """The conversation after the model called lookup_symbol(name): the tool answers what was asked for."""
-    found = by_name.get(name or "")
     msgs = tool_messages(sym, rng)[:-1]
     msgs[1]["reasoning_content"] = f"I should look up {name}."
     msgs[1]["tool_calls"][0]["function"]["arguments"] = json.dumps({"name": name})
-    msgs[2]["content"] = tool_result(found) if found else f"No symbol named {name!r}."
+    msgs[2]["content"] = tool_answer(name, by_name)
     return msgs
+
+
+def tool_answer(name: object, by_name: dict[str, Symbol]) -> str:
+    """What lookup_symbol returns for `name` (any JSON value the model wrote): the symbol's signature and
+    docstring, or that there is none."""
+    found = by_name.get(name) if isinstance(name, str) else None
+    return tool_result(found) if found else f"No symbol named {name!r}."
 
 
 def parsed_call(tok, ids: list[int]) -> tuple[bool, str | None]:

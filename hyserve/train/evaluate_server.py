@@ -17,7 +17,8 @@ import random
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-from hyserve.train.data import LOOKUP_TOOL, TOOL_NAME, Symbol, question, tool_result
+from hyserve.train.data import LOOKUP_TOOL, TOOL_NAME, Symbol, question
+from hyserve.train.evaluate import tool_answer
 
 
 def ask(client, model: str, sym: Symbol, by_name: dict[str, Symbol], rng: random.Random) -> dict:
@@ -32,10 +33,8 @@ def ask(client, model: str, sym: Symbol, by_name: dict[str, Symbol], rng: random
         args = None
     if not isinstance(args, dict):
         return {"tool_call": False, "right_name": False, "signature": False}
-    found = by_name.get(str(args.get("name")))
     messages += [msg.model_dump(exclude_none=True),
-                 {"role": "tool", "tool_call_id": calls[0].id,
-                  "content": tool_result(found) if found else f"No symbol named {args.get('name')!r}."}]
+                 {"role": "tool", "tool_call_id": calls[0].id, "content": tool_answer(args.get("name"), by_name)}]
     r = client.chat.completions.create(model=model, messages=messages, tools=[LOOKUP_TOOL], temperature=0,
                                        max_tokens=160)
     return {"tool_call": True, "right_name": args.get("name") == sym.name,
