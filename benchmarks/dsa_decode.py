@@ -58,6 +58,58 @@ def _cache(n: int, ctx: int, gen):
     return pages, keys, bt
 
 
+# stage-1 kernel configs timed side by side: (block_n, positions per program, warps, stages, int32-word key
+# loads); the first is the default
+STAGE1_CONFIGS = [
+    (64, 1024, 4, 3, True), (32, 1024, 4, 3, True), (128, 4096, 4, 3, True), (128, 2048, 8, 3, True),
+    (64, 2048, 4, 4, True), (256, 4096, 8, 3, True), (64, 1024, 4, 2, True),
+    (64, 1024, 4, 3, False), (32, 1024, 4, 3, False), (128, 4096, 4, 3, False),
+]
+
+
+def _indexer_stages(args, gen, ceil) -> list[str]:
+    """The indexer's two stages on their own: the scoring kernel (reads every FP8 key, writes one int64 sort
+    key per position: its bandwidth is the kernel's target) and torch.topk over the sort keys."""
+    from gpu_common import time_ms
+
+    from hyserve.ops import dsa_indexer as dsa
+    from hyserve.ops.dsa_index_triton import index_sort_keys, topk_from_sort_keys
+
+    rows = ["", "| batch | context | scoring kernel (BN, chunk, warps, stages, key loads) | scoring ms | key+sort bytes MB | "
+            "TB/s | % of copy | topk ms | quantise q ms |", "|---|---|---|---|---|---|---|---|---|"]
+    for case in args.stages.split(","):
+        n, ctx = (int(v) for v in case.split("x"))
+        _, keys, bt = _cache(n, ctx, gen)  # the latent pages are dropped at once: only the keys are read
+        q = torch.randn(n, HI, DI, device="cuda", generator=gen).to(torch.bfloat16)
+        w = torch.randn(n, HI, device="cuda", generator=gen) * HI**-0.5
+        positions = torch.full((n,), ctx - 1, device="cuda")
+        t_q = time_ms(lambda: dsa.quantize_queries(q, w))
+        q8, wf = dsa.quantize_queries(q, w)
+        moved = n * ctx * (INDEX_KEY + SORT_KEY)
+        comp = None
+        for bn, chunk, warps, stages, words in STAGE1_CONFIGS:
+            def stage1():
+                return index_sort_keys(q8, wf, keys, 0, "fp8", bt, [1] * n, positions, ctx, block_n=bn,
+                                       chunk=chunk, num_warps=warps, num_stages=stages, words=words)
+            config = f"{bn}, {chunk}, {warps}, {stages}, {'int32' if words else 'bytes'}"
+            try:
+                t1 = time_ms(stage1)
+            except Exception as e:  # a config the compiler refuses (shared memory): say so, go on
+                rows.append(f"| {n} | {ctx} | {config} | failed: {type(e).__name__}: {str(e)[:80]} ||||||")
+                print(rows[-1], flush=True)
+                continue
+            if comp is None:
+                comp = stage1()
+                t_top = time_ms(lambda: topk_from_sort_keys(comp, positions, TOPK))
+            tbs = moved / t1 / 1e9
+            rows.append(f"| {n} | {ctx} | {config} | {t1:.3f} | {moved / 1e6:.1f} | {tbs:.2f} | "
+                        f"{100 * tbs / ceil['copy_tbs']:.0f}% | {t_top:.3f} | {t_q:.3f} |")
+            print(rows[-1], flush=True)
+        keys = bt = comp = None
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     import sys
     from pathlib import Path
@@ -75,6 +127,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--prefill", default="32768,131072")
     ap.add_argument("--chunk", type=int, default=4096)
+    ap.add_argument("--stages", default="16x131072,64x131072",
+                    help="BATCHxCONTEXT decode cases whose indexer is timed stage by stage over kernel configs")
     args = ap.parse_args()
     h, gen = args.heads, torch.Generator(device="cuda").manual_seed(0)
     ceil = ceilings()
@@ -129,9 +183,10 @@ def main() -> None:
             pages = keys = bt = sel = None  # free before the next, larger cache
             torch.cuda.empty_cache()
 
+    stages = _indexer_stages(args, gen, ceil) if args.stages else []
     pre = ["", "| prefill tokens | dense ms/layer | DSA ms/layer | indexer ms (share) | sparse MLA ms |",
            "|---|---|---|---|---|"]
-    for total in [int(c) for c in args.prefill.split(",")]:
+    for total in [int(c) for c in args.prefill.split(",") if c]:
         pages, keys, bt = _cache(1, total, gen)
         pages_bf = pages.to(torch.bfloat16)  # the expanded dense prefill path reads bf16 rows
         t_dense = t_idx = t_sp = 0.0
@@ -162,7 +217,7 @@ def main() -> None:
         f"{args.chunk} rows; dense prefill is the expanded SDPA path over bf16 rows.",
     ]
     report(f"DSA vs dense MLA attention, one K3.1 layer at {h} heads", "python benchmarks/dsa_decode.py",
-           rows + pre, notes, "dsa_decode.md")
+           rows + stages + pre, notes, "dsa_decode.md")
 
 
 if __name__ == "__main__":

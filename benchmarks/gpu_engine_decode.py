@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import sys
 
 import torch
 from offline_throughput import timed_batch
@@ -90,8 +91,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     from gpu_common import report
 
-    report(f"Engine decode with and without CUDA graphs, {args.model}", "python benchmarks/gpu_engine_decode.py "
-           + " ".join(argv or []), table, notes, "gpu_engine_decode.md")
+    command = " ".join(["python benchmarks/gpu_engine_decode.py", *(sys.argv[1:] if argv is None else argv)])
+    report(f"Engine decode with and without CUDA graphs, {args.model}", command, table, notes, "gpu_engine_decode.md")
 
 
 if __name__ == "__main__":

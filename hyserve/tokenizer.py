@@ -109,11 +109,26 @@ class Tokenizer:
     def ids_to_bytes(self, ids: Iterable[int], skip_special_tokens: bool = True) -> bytes:
         special = self.special_token_ids
         return b"".join(
-            self.token_bytes(i) for i in ids if not (skip_special_tokens and i in special)
+            self._known_bytes(i) for i in ids if not (skip_special_tokens and i in special)
         )
 
     def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str]:
-        return [self._id_to_token(i) for i in ids]
+        return [self._known_token(i) for i in ids]
+
+    # A model may sample ids its tokenizer lacks (a vocabulary padded past the tokenizer's, or a random-
+    # weight preset over the byte tokenizer): like HF's fast tokenizers, they stand for no text. The
+    # engine has already checked every id against the model's vocabulary.
+    def _known_bytes(self, token_id: int) -> bytes:
+        try:
+            return self.token_bytes(token_id)
+        except (IndexError, KeyError):
+            return b""
+
+    def _known_token(self, token_id: int) -> str:
+        try:
+            return self._id_to_token(token_id)
+        except (IndexError, KeyError):
+            return ""
 
     def special_id(self, token: str) -> int:
         """Id of a special token that must exist (a KeyError names the missing marker)."""
@@ -126,7 +141,8 @@ class Tokenizer:
 class ByteTokenizer(Tokenizer):
     """Ids 0..255 are raw bytes; the family's specials follow, then reserved specials up to 512.
 
-    Random-weight presets sample any id below their vocab_size, so every id up to 512 must decode.
+    Random-weight presets sample any id below their vocab_size: ids up to 512 decode as above, larger
+    ones (the big presets' vocabularies) as no text.
     """
 
     def __init__(self, family: str) -> None:

@@ -54,10 +54,9 @@ class LLMEngine:
     def __init__(
         self, cfg: EngineConfig, model=None, tokenizer: Tokenizer | None = None, *, cuda_graphs: bool | None = None
     ):
-        """`cuda_graphs`: None = capture decode graphs on CUDA when HYSERVE_CUDA_GRAPHS=1, unless
-        cfg.enforce_eager. Opt-in until tests/gpu/test_cuda_graphs_gpu.py has passed on a GPU; then the
-        default becomes vLLM's (on unless --enforce-eager). True on the CPU runs decode steps through
-        the same static, padded buffers without a graph: for tests of that path."""
+        """`cuda_graphs`: None = capture decode graphs on CUDA unless cfg.enforce_eager (vLLM's default;
+        HYSERVE_CUDA_GRAPHS=0 turns them off too). True on the CPU runs decode steps through the same
+        static, padded buffers without a graph: for tests of that path."""
         self.cfg = cfg
         device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
         torch.manual_seed(cfg.seed)
@@ -71,8 +70,8 @@ class LLMEngine:
         self.max_model_len = min(cfg.max_model_len or limit, limit)
         cache_dtype = self.model.dtype if cfg.kv_cache_dtype == "auto" else resolve_dtype(cfg.kv_cache_dtype, self.model_config)
         if cuda_graphs is None:
-            opted_in = os.environ.get("HYSERVE_CUDA_GRAPHS") == "1"
-            cuda_graphs = self.device.type == "cuda" and not cfg.enforce_eager and opted_in
+            allowed = os.environ.get("HYSERVE_CUDA_GRAPHS", "1") != "0"
+            cuda_graphs = self.device.type == "cuda" and not cfg.enforce_eager and allowed
         self.cache_plan = plan_cache(cfg, self.model, cache_dtype, self.max_model_len, scratch=cuda_graphs)
         log.info(self.cache_plan.describe())
         self.kv = KVCacheManager(self.model, self.cache_plan, cache_dtype)

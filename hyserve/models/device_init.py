@@ -16,6 +16,8 @@ def random_init_on_device(model: KimiForCausalLM, seed: int = 0, std: float = 0.
         d = p.data
         if name.endswith(("norm.weight", "o_norm_weight", "res.norm", "attn_res.norm")) or "layernorm" in name:
             d.fill_(1.0)
+        elif name.endswith("norm.bias"):  # the indexer's k_norm LayerNorm
+            d.zero_()
         elif name.endswith("A_log"):
             d.copy_(torch.log(torch.empty(d.shape, device=d.device).uniform_(1, 16, generator=gen)))
         elif name.endswith("dt_bias"):

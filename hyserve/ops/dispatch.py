@@ -31,9 +31,9 @@ def fast_path(x: torch.Tensor) -> bool:
 
 
 def dsa_fast_path(x: torch.Tensor) -> bool:
-    """The DSA Triton kernels (index scoring + top-k, sparse MLA) are opt-in (HYSERVE_DSA_TRITON=1) until
-    tests/gpu/test_dsa_gpu.py has passed on a GPU: they have only run under Triton's CPU interpreter."""
-    return fast_path(x) and os.environ.get("HYSERVE_DSA_TRITON", "0") == "1"
+    """The DSA Triton kernels (index scoring + top-k, sparse MLA) wherever the fast path runs;
+    HYSERVE_DSA_TRITON=0 keeps the torch references on CUDA (to bisect a kernel against them)."""
+    return fast_path(x) and os.environ.get("HYSERVE_DSA_TRITON", "1") != "0"
 
 
 @contextlib.contextmanager

@@ -51,13 +51,37 @@ def _load_keys(kb_ptr, ks_ptr, rec, rec32, d, pmask, D: tl.constexpr, FMT: tl.co
 
 
 @triton.jit
+def _e4m3_lane(words, J: tl.constexpr, DOT_F32: tl.constexpr):
+    """Byte J of every int32 word as its e4m3 value (bf16, exact; fp32 under the interpreter)."""
+    b = (words >> (8 * J)) & 255
+    if DOT_F32:  # the interpreter has no fp8 bitcast: decode sign, exponent and mantissa (no NaN is stored)
+        e = (b >> 3) & 15
+        m = (b & 7).to(tl.float32)
+        mag = tl.where(e == 0, m * 0.001953125, (8.0 + m) * tl.exp2((e - 10).to(tl.float32)))
+        return tl.where((b & 128) != 0, -mag, mag)
+    return b.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+
+
+@triton.jit
+def _word_dots(q0, q1, q2, q3, kw_ptr, rec32, dw, pmask, DOT_F32: tl.constexpr):
+    """Σ_d q[r, d]·k[s, d] for an FP8 key tile read as int32 words [BN, D/4]: 4-byte loads (the 132-byte
+    records are only word-aligned, so byte loads could not be vectorised or pipelined). Byte lane j of
+    word i is element 4i+j; qj holds the query's elements 4i+j."""
+    words = tl.load(kw_ptr + rec32[:, None] + dw[None, :], mask=pmask[:, None], other=0)
+    dots = tl.dot(q0, tl.trans(_e4m3_lane(words, 0, DOT_F32)))
+    dots = tl.dot(q1, tl.trans(_e4m3_lane(words, 1, DOT_F32)), dots)
+    dots = tl.dot(q2, tl.trans(_e4m3_lane(words, 2, DOT_F32)), dots)
+    return tl.dot(q3, tl.trans(_e4m3_lane(words, 3, DOT_F32)), dots)
+
+
+@triton.jit
 def _index_key_kernel(
     q_ptr, s_qt, s_qh, w_ptr, s_wt,
     kb_ptr, s_kb, s_kr, ks_ptr, s_sb, s_sr,
     bt_ptr, s_btn, rb_seq_ptr, rb_tok_ptr, rb_n_ptr, qpos_ptr,
     out_ptr, s_ot, S, chunk,
     H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    BS: tl.constexpr, FMT: tl.constexpr, DOT_F32: tl.constexpr,
+    BS: tl.constexpr, FMT: tl.constexpr, DOT_F32: tl.constexpr, WORDS: tl.constexpr,
 ):
     rb = tl.program_id(0)
     c = tl.program_id(1)
@@ -78,7 +102,16 @@ def _index_key_kernel(
     rh = r % HP
     rmask = (rm < ntok) & (rh < H)
     d = tl.arange(0, D)
-    q = tl.load(q_ptr + (tok0 + rm)[:, None] * s_qt + rh[:, None] * s_qh + d[None, :], mask=rmask[:, None], other=0.0)
+    q_rows = q_ptr + (tok0 + rm)[:, None] * s_qt + rh[:, None] * s_qh
+    if WORDS:  # the query as four lanes of D/4 elements, matching the byte lanes of the key words
+        dw = tl.arange(0, D // 4)
+        q_lanes = q_rows + 4 * dw[None, :]
+        q0 = tl.load(q_lanes + 0, mask=rmask[:, None], other=0.0)
+        q1 = tl.load(q_lanes + 1, mask=rmask[:, None], other=0.0)
+        q2 = tl.load(q_lanes + 2, mask=rmask[:, None], other=0.0)
+        q3 = tl.load(q_lanes + 3, mask=rmask[:, None], other=0.0)
+    else:
+        q = tl.load(q_rows + d[None, :], mask=rmask[:, None], other=0.0)
     w = tl.load(w_ptr + (tok0 + rm) * s_wt + rh, mask=rmask, other=0.0)  # 0 for padded heads and rows
     out_rows = out_ptr + (tok0 + mi).to(tl.int64)[:, None] * s_ot
 
@@ -87,8 +120,14 @@ def _index_key_kernel(
         pmask = pos < k_end
         blk = tl.load(bt_ptr + seq * s_btn + pos // BS, mask=pmask, other=0).to(tl.int64)
         slot = pos % BS
-        k, s_k = _load_keys(kb_ptr, ks_ptr, blk * s_kb + slot * s_kr, blk * s_sb + slot * s_sr, d, pmask, D, FMT, DOT_F32)
-        dots = tl.dot(q, tl.trans(k))  # [BM*HP, BN] fp32
+        if WORDS:
+            rec32 = blk * s_sb + slot * s_sr
+            dots = _word_dots(q0, q1, q2, q3, kb_ptr, rec32, dw, pmask, DOT_F32)  # kb: the int32 view
+            s_k = tl.load(ks_ptr + rec32 + D // 4, mask=pmask, other=0.0)
+        else:
+            k, s_k = _load_keys(kb_ptr, ks_ptr, blk * s_kb + slot * s_kr, blk * s_sb + slot * s_sr, d, pmask, D, FMT,
+                                DOT_F32)
+            dots = tl.dot(q, tl.trans(k))  # [BM*HP, BN] fp32
         part = tl.maximum(dots, 0.0) * w[:, None]
         score = tl.sum(tl.reshape(part, (BM, HP, BN)), axis=1) * s_k[None, :]  # [BM, BN]
         score = tl.where(score == 0.0, 0.0, score)  # -0.0 -> +0.0: ties with +0.0 as in a float sort
@@ -112,7 +151,8 @@ def _row_blocks(
     query_lens: list[int], device: torch.device, bm: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sequence, first token, rows) of every block of <= bm query rows; a block never spans sequences."""
-    if bm == 1 and all(n == 1 for n in query_lens):  # decode: built on the device, no host copy
+    if all(n == 1 for n in query_lens):  # decode, a block per row: built on the device (no host copy
+        # to synchronise, so CUDA graphs can capture it) whatever bm the head count asked for
         ar = torch.arange(len(query_lens), device=device, dtype=torch.int32)
         return ar, ar, torch.ones_like(ar)
     q = torch.tensor(query_lens, dtype=torch.long)
@@ -129,6 +169,7 @@ def index_sort_keys(
     q8: torch.Tensor, w_folded: torch.Tensor, keys: torch.Tensor, layer: int, fmt: str,
     block_tables: torch.Tensor, query_lens: list[int], positions: torch.Tensor, width: int,
     block_m: int | None = None, block_n: int = 64, chunk: int = 1024, num_warps: int = 4,
+    words: bool | None = None, num_stages: int = 3,
 ) -> torch.Tensor:
     """Stage 1: composite keys [T, width] int64 of every (query row, position < width) pair.
 
@@ -150,8 +191,13 @@ def index_sort_keys(
     dot_f32 = not q8.is_cuda
     q = q8.to(torch.float32 if dot_f32 else torch.bfloat16).contiguous()
     w = w_folded.float().contiguous()
-    if fmt == "fp8":  # typed views of the same bytes: e4m3 values, and the fp32 scale at word D/4
-        kb, ks = keys.view(torch.float8_e4m3fn)[:, layer], keys.view(torch.float32)[:, layer]
+    # FP8 keys as int32 words (4-byte loads; tl.dot needs D/4 >= 16) unless told otherwise
+    words = fmt == "fp8" and d >= 64 if words is None else words
+    if words and (fmt != "fp8" or d < 64):
+        raise ValueError(f"word loads read FP8 keys with D >= 64, not {fmt} with D={d}")
+    if fmt == "fp8":  # typed views of the same bytes: e4m3 values (or words), and the fp32 scale at word D/4
+        kb = keys.view(torch.int32 if words else torch.float8_e4m3fn)[:, layer]
+        ks = keys.view(torch.float32)[:, layer]
     else:
         kb = ks = keys[:, layer]
     out = torch.empty(t, width, dtype=torch.int64, device=q8.device)
@@ -162,8 +208,8 @@ def index_sort_keys(
         kb, kb.stride(0), kb.stride(1), ks, ks.stride(0), ks.stride(1),
         block_tables, block_tables.stride(0), rb_seq, rb_tok, rb_n, positions.contiguous(),
         out, out.stride(0), width, chunk,
-        H=h, HP=hp, D=d, BM=bm, BN=block_n, BS=keys.shape[2], FMT=_FMT_CODES[fmt], DOT_F32=dot_f32,
-        num_warps=num_warps,
+        H=h, HP=hp, D=d, BM=bm, BN=block_n, BS=keys.shape[2], FMT=_FMT_CODES[fmt], DOT_F32=dot_f32, WORDS=words,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out
 

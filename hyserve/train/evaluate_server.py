@@ -6,7 +6,9 @@
 For each held-out symbol a user asks about it with the `lookup_symbol` tool offered. A response counts as a
 tool call when the server's parser returns a `tool_calls` entry naming `lookup_symbol` whose arguments are
 a JSON object. The tool is then answered with what was asked for (the real symbol's signature and
-docstring, or "no such symbol"), and the final answer counts when it contains the right signature.
+docstring, or "no such symbol"), and the final answer counts when it contains the right signature
+(`signature`, end to end). `signature_after_tool` asks once more with the right call and the right tool
+result already in the conversation: does the answer carry the signature the tool returned?
 """
 
 from __future__ import annotations
@@ -17,11 +19,19 @@ import random
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-from hyserve.train.data import LOOKUP_TOOL, TOOL_NAME, Symbol, question
+from hyserve.train.data import LOOKUP_TOOL, TOOL_NAME, Symbol, question, tool_messages
 from hyserve.train.evaluate import tool_answer
 
 
+def answer_after_tool(client, model: str, sym: Symbol, rng: random.Random) -> bool:
+    """The final answer to the right call and tool result contains the symbol's signature."""
+    r = client.chat.completions.create(model=model, messages=tool_messages(sym, rng)[:3], tools=[LOOKUP_TOOL],
+                                       temperature=0, max_tokens=160)
+    return sym.call in (r.choices[0].message.content or "")
+
+
 def ask(client, model: str, sym: Symbol, by_name: dict[str, Symbol], rng: random.Random) -> dict:
+    after = answer_after_tool(client, model, sym, random.Random(rng.random()))
     messages = [{"role": "user", "content": question(sym, rng)}]
     r = client.chat.completions.create(model=model, messages=messages, tools=[LOOKUP_TOOL], temperature=0,
                                        max_tokens=96)
@@ -32,13 +42,13 @@ def ask(client, model: str, sym: Symbol, by_name: dict[str, Symbol], rng: random
     except ValueError:
         args = None
     if not isinstance(args, dict):
-        return {"tool_call": False, "right_name": False, "signature": False}
+        return {"tool_call": False, "right_name": False, "signature": False, "signature_after_tool": after}
     messages += [msg.model_dump(exclude_none=True),
                  {"role": "tool", "tool_call_id": calls[0].id, "content": tool_answer(args.get("name"), by_name)}]
     r = client.chat.completions.create(model=model, messages=messages, tools=[LOOKUP_TOOL], temperature=0,
                                        max_tokens=160)
     return {"tool_call": True, "right_name": args.get("name") == sym.name,
-            "signature": sym.call in (r.choices[0].message.content or "")}
+            "signature": sym.call in (r.choices[0].message.content or ""), "signature_after_tool": after}
 
 
 def evaluate_server(base_url: str, split_path: str, n: int = 200, concurrency: int = 16,
@@ -55,7 +65,7 @@ def evaluate_server(base_url: str, split_path: str, n: int = 200, concurrency: i
     with ThreadPoolExecutor(concurrency) as pool:
         rows = list(pool.map(lambda i: ask(client, model, syms[i], by_name, random.Random(i)), range(len(syms))))
     return {"n": len(rows), **{k: sum(r[k] for r in rows) / max(len(rows), 1)
-                               for k in ("tool_call", "right_name", "signature")}}
+                               for k in ("tool_call", "right_name", "signature", "signature_after_tool")}}
 
 
 def main(argv: list[str] | None = None) -> int:

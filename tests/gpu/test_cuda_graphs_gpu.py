@@ -25,11 +25,6 @@ def models():
     return get
 
 
-@pytest.fixture(autouse=True)
-def graphs_opted_in(monkeypatch):
-    monkeypatch.setenv("HYSERVE_CUDA_GRAPHS", "1")
-
-
 def _engine(model, name: str, **kw) -> LLMEngine:
     base = dict(model=name, device="cuda", block_size=16, kv_cache_memory_bytes=64 << 20, max_num_seqs=8)
     return LLMEngine(EngineConfig(**dict(base, **kw)), model=model)
@@ -50,7 +45,7 @@ def _greedy(engine: LLMEngine, n: int) -> dict[str, list[int]]:
     return done
 
 
-@pytest.mark.parametrize("name", ["kimi-linear-tiny", "k3-tiny"])
+@pytest.mark.parametrize("name", ["kimi-linear-tiny", "k3-tiny", "k3.1-tiny"])
 def test_graphed_decode_equals_eager_on_cuda(models, name):
     model = models(name)
     graphed = _engine(model, name)
@@ -93,6 +88,11 @@ def test_graph_logits_match_eager_logits(models, name):
     for rid in list(engine.parents):  # the step was never completed: abort frees what it scheduled
         engine.abort_request(rid)
     engine.kv.check_empty(pinned_blocks=engine.prefix_cache.pinned_blocks if engine.prefix_cache else 0)
+
+
+def test_graphs_are_the_default_on_cuda(models, monkeypatch):
+    monkeypatch.delenv("HYSERVE_CUDA_GRAPHS", raising=False)
+    assert _engine(models("kimi-linear-tiny"), "kimi-linear-tiny").runner.graphs is not None
 
 
 def test_enforce_eager_captures_nothing(models):

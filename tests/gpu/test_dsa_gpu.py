@@ -48,6 +48,20 @@ def test_index_topk_matches_r1(fmt, query_lens, ctx):
         at += n
 
 
+def test_word_and_byte_key_loads_give_the_same_scores():
+    """The FP8 keys read as int32 words (the default) or as bytes: the same exact products, summed in
+    another order, so the scores agree to fp32 rounding and the sort keys' positions exactly."""
+    from hyserve.ops.dsa_index_triton import index_sort_keys, sort_key_scores
+
+    pool, bt, q, w, positions = index_case("fp8", [1, 1, 1, 1], [4096, 32768, 9000, 2049])
+    q8, wf = dsa.quantize_queries(q, w)
+    by_word, by_byte = (index_sort_keys(q8, wf, pool, 1, "fp8", bt, [1] * 4, positions, 32768, words=x)
+                        for x in (True, False))
+    low = 0xFFFFFFFF
+    assert torch.equal(by_word & low, by_byte & low)
+    torch.testing.assert_close(sort_key_scores(by_word), sort_key_scores(by_byte), rtol=1e-5, atol=1e-6)
+
+
 def test_equal_scores_select_the_lower_positions():
     from hyserve.ops.dsa_index_triton import index_topk_fast
 
