@@ -39,6 +39,20 @@ def time_ms(fn, warmup: int = 2, iters: int = 10) -> float:
     return statistics.median(times)
 
 
+def time_graph_ms(fn, iters: int = 10) -> float:
+    """Median GPU time of fn() replayed from a CUDA graph: no host launch cost, as decode steps run."""
+    fn()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_ms(graph.replay, 2, iters)
+
+
 def ceilings() -> dict[str, float]:
     """Device-to-device copy bandwidth (read + write, 1 GiB) and bf16 matmul rate (8192³), random data."""
     src = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16)

@@ -59,13 +59,14 @@ def paged_pool(
 def write_keys(pool: torch.Tensor, bt: torch.Tensor, layer: int, keys: list[torch.Tensor], fmt: str) -> None:
     for i, k in enumerate(keys):
         pos = torch.arange(k.shape[0], device=pool.device)
-        pool[bt[i, pos // pool.shape[2]], layer, pos % pool.shape[2]] = dsa.encode_keys(k, fmt)
+        dsa.write_key_records(pool, fmt, layer, bt[i, pos // pool.shape[2]] * pool.shape[2] + pos % pool.shape[2],
+                              dsa.encode_keys(k, fmt))
 
 
 def reference_scores(q, w, pool, bt, layer, fmt, seq: int, ctx: int) -> torch.Tensor:
     """R1 scores [rows, ctx] of one sequence's query rows (the Indexer.scores path)."""
     pos = torch.arange(ctx, device=pool.device)
-    stored = pool[bt[seq, pos // pool.shape[2]], layer, pos % pool.shape[2]]
+    stored = dsa.gather_key_records(pool, fmt, layer, bt[seq, pos // pool.shape[2]], pos % pool.shape[2])
     q8, wf = dsa.quantize_queries(q, w)
     if fmt == "fp8":
         k8, ks = dsa.split_fp8_keys(stored)

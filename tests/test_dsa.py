@@ -216,6 +216,36 @@ def test_cache_rows_hold_index_keys_and_the_plan_counts_them():
     assert "index keys" in plan.describe()
 
 
+@pytest.mark.parametrize("fmt,d", [("fp8", 64), ("mxfp4", 64), ("raw", 16)])
+def test_key_records_round_trip_through_split_pages(fmt, d):
+    """write_key_records / gather_key_records give every record back, whatever the slot order."""
+    rec = dsa.key_record_bytes(fmt, d)
+    pool = torch.zeros(5, 2, 8, rec, dtype=torch.uint8)
+    k = torch.randn(23, d).to(torch.bfloat16)
+    records = dsa.encode_keys(k, fmt)
+    slots = torch.randperm(40)[:23]
+    dsa.write_key_records(pool, fmt, 1, slots, records)
+    assert torch.equal(dsa.gather_key_records(pool, fmt, 1, slots // 8, slots % 8), records)
+    assert not pool[:, 0].any()  # the other layer is untouched
+
+
+def test_a_page_holds_its_fp8_values_contiguously_then_its_scales():
+    """The FP8 page layout the kernels read: BS rows of D e4m3 bytes, then BS fp32 scales."""
+    d, bs = 64, 8
+    pool = torch.zeros(2, 1, bs, d + 4, dtype=torch.uint8)
+    records = dsa.quantize_fp8_keys(torch.randn(bs, d))
+    dsa.write_key_records(pool, "fp8", 0, torch.arange(bs, 2 * bs), records)
+    page = pool[1, 0].flatten()
+    assert torch.equal(page[: bs * d].view(bs, d), records[:, :d])
+    assert torch.equal(page[bs * d :].view(torch.float32), records[:, d:].contiguous().view(torch.float32).flatten())
+
+
+def test_a_record_of_the_wrong_width_is_refused():
+    pool = torch.zeros(2, 1, 8, 68, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="132 bytes"):
+        dsa.write_key_records(pool, "fp8", 0, torch.arange(3), torch.zeros(3, 132, dtype=torch.uint8))
+
+
 # ---- k3.1-tiny: one pass == chunked prefill == token by token (top-8 < context) ---------------------------
 
 

@@ -83,15 +83,15 @@ def test_a_prefill_larger_than_the_workspace_is_taken_in_row_groups(kernels, mon
     assert torch.equal(chunked, one)
 
 
-@pytest.mark.parametrize("words", [True, False], ids=["int32-word-loads", "byte-loads"])
-def test_scores_in_sort_keys_match_r1_and_mask_the_future(kernels, words):
-    """Small chunks and tiles, so rows see key chunks wholly after their position (no cache reads)."""
+@pytest.mark.parametrize("block_n", [16, 64], ids=["tile-within-a-page", "tile-over-pages"])
+def test_scores_in_sort_keys_match_r1_and_mask_the_future(kernels, block_n):
+    """Small chunks, so rows see key chunks wholly after their position (no cache reads); 16-token pages."""
     idx_mod, _ = kernels
     query_lens, ctx = [3, 1], [50, 130]
     pool, bt, q, w, positions = index_case("fp8", query_lens, ctx, seed=1)
     q8, wf = dsa.quantize_queries(q, w)
     comp = idx_mod.index_sort_keys(
-        q8, wf, pool, 1, "fp8", bt, query_lens, positions, max(ctx), block_m=2, block_n=16, chunk=32, words=words
+        q8, wf, pool, 1, "fp8", bt, query_lens, positions, max(ctx), block_m=2, block_n=block_n, chunk=block_n * 2
     )
     got = idx_mod.sort_key_scores(comp)
     assert torch.equal(idx_mod._LOW32 - (comp & idx_mod._LOW32), torch.arange(max(ctx)).expand_as(comp))

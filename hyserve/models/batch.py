@@ -19,8 +19,9 @@ class CacheTensors:
     one row per block packs every MLA layer. `conv[s, l]` / `recurrent[s, l]` are state slot s of KDA
     layer l: the last W-1 pre-conv q/k/v inputs (oldest first) and the fp32 [H, V, K] matrix.
     `index_keys[b, l]` (models with a DSA indexer) holds the same block's index-key records of MLA layer
-    l as bytes: 132 per token for FP8, 68 for MXFP4 (ops/dsa_indexer.py), so a block id still covers
-    everything one block of tokens needs."""
+    l as bytes: 132 per token for FP8, 68 for MXFP4, each page split into its tokens' value parts then
+    their scale parts (ops/dsa_indexer.py), so a block id still covers everything one block of tokens
+    needs."""
 
     pages: torch.Tensor  # [num_blocks, n_mla, block_size, row_width]
     conv: torch.Tensor  # [num_slots, n_kda, 3P, W-1]

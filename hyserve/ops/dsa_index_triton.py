@@ -3,11 +3,13 @@ math: spec/models.md §4.3-§4.4; torch reference: ops/dsa_indexer.py).
 
 Stage 1 (one kernel): a program takes a block of BM query rows of one sequence and a chunk of key
 positions. It loads the rows' FP8 queries once as a [BM*H, D] tile, then per tile of BN positions maps
-each logical position to its page slot through the block table, reads the key records straight from
-`CacheTensors.index_keys` (FP8: D e4m3 bytes + fp32 scale; MXFP4: D/2 code bytes + D/32 E8M0 bytes),
-computes I[t,s] = s_k[s] · Σ_h w'[t,h] · ReLU(q8[t,h]·k[s]) with one tensor-core dot (e4m3 and E2M1
-values are exact in bf16, so the products are exact and only the fp32 accumulation order differs from
-the reference) and writes a *composite sort key* per (t, s) rather than the score:
+each logical position to its page slot through the block table, reads the keys straight from the split
+pages of `CacheTensors.index_keys` (dsa_indexer: a page's value parts, D e4m3 bytes or D/2 MXFP4 code
+bytes per token in 16-byte-aligned rows, then its scale parts), computes
+I[t,s] = s_k[s] · Σ_h w'[t,h] · ReLU(q8[t,h]·k[s]) with one tensor-core dot per tile (on a GPU an FP8
+dot by default, within the R1 contract: see index_sort_keys; else e4m3 values in fp16 and E2M1·E8M0
+values in bf16, exact, so only the fp32 accumulation order differs from the reference) and writes a
+*composite sort key* per (t, s) rather than the score:
 
     key(t, s) = ord32(I[t,s]) << 32  |  (2^32 - 1 - s)
 
@@ -20,6 +22,8 @@ keys — is exact: no tie is left for topk to break arbitrarily.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -31,57 +35,50 @@ _LOW32 = 0xFFFFFFFF
 
 
 @triton.jit
-def _load_keys(kb_ptr, ks_ptr, rec, rec32, d, pmask, D: tl.constexpr, FMT: tl.constexpr, DOT_F32: tl.constexpr):
-    """Key tile [BN, D] as bf16 (exact; fp32 under the interpreter) and its per-position fp32 scale [BN]."""
-    if FMT == 0:
-        k = tl.load(kb_ptr + rec[:, None] + d[None, :], mask=pmask[:, None], other=0.0)
-        s_k = tl.load(ks_ptr + rec32 + D // 4, mask=pmask, other=0.0)
-    else:
-        # MXFP4: byte d//2 holds element d in its low (even d) or high (odd d) nibble; bit 3 is the sign
-        byte = tl.load(kb_ptr + rec[:, None] + d[None, :] // 2, mask=pmask[:, None], other=0).to(tl.int32)
-        nib = (byte >> ((d[None, :] % 2) * 4)) & 15
-        e = (nib >> 1) & 3
-        m = (nib & 1).to(tl.float32)
-        mag = tl.where(e == 0, m * 0.5, (1.0 + m * 0.5) * tl.exp2((e - 1).to(tl.float32)))
-        e_b = tl.load(kb_ptr + rec[:, None] + D // 2 + d[None, :] // 32, mask=pmask[:, None], other=0)
-        val = tl.where((nib & 8) != 0, -mag, mag) * tl.exp2(e_b.to(tl.float32) - 127.0)
-        k = val
-        s_k = tl.where(pmask, 1.0, 0.0)
-    return k.to(tl.float32 if DOT_F32 else tl.bfloat16), s_k
-
-
-@triton.jit
-def _e4m3_lane(words, J: tl.constexpr, DOT_F32: tl.constexpr):
-    """Byte J of every int32 word as its e4m3 value (bf16, exact; fp32 under the interpreter)."""
-    b = (words >> (8 * J)) & 255
-    if DOT_F32:  # the interpreter has no fp8 bitcast: decode sign, exponent and mantissa (no NaN is stored)
+def _e4m3_bytes(b, DOT: tl.constexpr, DOT_F32: tl.constexpr):
+    """e4m3 bytes as their values: fp16 (exact), the bytes themselves as e4m3 for the FP8 dot (DOT 2), or
+    fp32 under the interpreter, which has no fp8 bitcast (sign, exponent, mantissa; no NaN is stored)."""
+    if DOT_F32:
+        b = b.to(tl.int32)
         e = (b >> 3) & 15
         m = (b & 7).to(tl.float32)
         mag = tl.where(e == 0, m * 0.001953125, (8.0 + m) * tl.exp2((e - 10).to(tl.float32)))
         return tl.where((b & 128) != 0, -mag, mag)
-    return b.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+    f8 = b.to(tl.float8e4nv, bitcast=True)
+    return f8 if DOT == 2 else f8.to(tl.float16)
 
 
 @triton.jit
-def _word_dots(q0, q1, q2, q3, kw_ptr, rec32, dw, pmask, DOT_F32: tl.constexpr):
-    """Σ_d q[r, d]·k[s, d] for an FP8 key tile read as int32 words [BN, D/4]: 4-byte loads (the 132-byte
-    records are only word-aligned, so byte loads could not be vectorised or pipelined). Byte lane j of
-    word i is element 4i+j; qj holds the query's elements 4i+j."""
-    words = tl.load(kw_ptr + rec32[:, None] + dw[None, :], mask=pmask[:, None], other=0)
-    dots = tl.dot(q0, tl.trans(_e4m3_lane(words, 0, DOT_F32)))
-    dots = tl.dot(q1, tl.trans(_e4m3_lane(words, 1, DOT_F32)), dots)
-    dots = tl.dot(q2, tl.trans(_e4m3_lane(words, 2, DOT_F32)), dots)
-    return tl.dot(q3, tl.trans(_e4m3_lane(words, 3, DOT_F32)), dots)
+def _load_keys(kv_ptr, ks_ptr, page, slot, d, pmask, D: tl.constexpr, BS: tl.constexpr, FMT: tl.constexpr,
+               DOT: tl.constexpr, DOT_F32: tl.constexpr):
+    """Key tile [BN, D] (exact values in the dot's type) and per-position fp32 scale [BN] from split pages
+    (dsa_indexer: a page's BS value parts, then its BS scale parts; `page` is the page's byte offset)."""
+    if FMT == 0:  # FP8: D e4m3 bytes per token (16-byte-aligned rows), then BS fp32 scales
+        b = tl.load(kv_ptr + page[:, None] + slot[:, None] * D + d[None, :], mask=pmask[:, None], other=0)
+        k = _e4m3_bytes(b, DOT, DOT_F32)
+        s_k = tl.load(ks_ptr + page // 4 + (BS * D) // 4 + slot, mask=pmask, other=0.0)
+    else:  # MXFP4: byte d//2 holds element d in its low (even d) or high (odd d) nibble; bit 3 is the sign
+        byte = tl.load(kv_ptr + page[:, None] + slot[:, None] * (D // 2) + d[None, :] // 2, mask=pmask[:, None],
+                       other=0).to(tl.int32)
+        nib = (byte >> ((d[None, :] % 2) * 4)) & 15
+        e = (nib >> 1) & 3
+        m = (nib & 1).to(tl.float32)
+        mag = tl.where(e == 0, m * 0.5, (1.0 + m * 0.5) * tl.exp2((e - 1).to(tl.float32)))
+        e_b = tl.load(kv_ptr + page[:, None] + BS * (D // 2) + slot[:, None] * (D // 32) + d[None, :] // 32,
+                      mask=pmask[:, None], other=0)
+        val = tl.where((nib & 8) != 0, -mag, mag) * tl.exp2(e_b.to(tl.float32) - 127.0)
+        k = val if DOT_F32 else val.to(tl.bfloat16)  # E8M0 scales span fp32's range: bf16, not fp16
+        s_k = tl.where(pmask, 1.0, 0.0)
+    return k, s_k
 
 
 @triton.jit
 def _index_key_kernel(
-    q_ptr, s_qt, s_qh, w_ptr, s_wt,
-    kb_ptr, s_kb, s_kr, ks_ptr, s_sb, s_sr,
+    q_ptr, s_qt, s_qh, w_ptr, s_wt, kv_ptr, ks_ptr, s_kb,
     bt_ptr, s_btn, rb_seq_ptr, rb_tok_ptr, rb_n_ptr, qpos_ptr,
     out_ptr, s_ot, S, chunk,
     H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    BS: tl.constexpr, FMT: tl.constexpr, DOT_F32: tl.constexpr, WORDS: tl.constexpr,
+    BS: tl.constexpr, FMT: tl.constexpr, DOT: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     rb = tl.program_id(0)
     c = tl.program_id(1)
@@ -96,40 +93,28 @@ def _index_key_kernel(
     end = tl.minimum(start + chunk, S)
     k_end = tl.maximum(tl.minimum(end, hi), start)
 
-    # all BM rows x HP heads as one [BM*HP, D] tile: one dot per key tile serves every row
+    # all BM rows x HP heads as one [BM*HP, D] operand: one dot per key tile serves every row
     r = tl.arange(0, BM * HP)
     rm = r // HP
     rh = r % HP
     rmask = (rm < ntok) & (rh < H)
     d = tl.arange(0, D)
-    q_rows = q_ptr + (tok0 + rm)[:, None] * s_qt + rh[:, None] * s_qh
-    if WORDS:  # the query as four lanes of D/4 elements, matching the byte lanes of the key words
-        dw = tl.arange(0, D // 4)
-        q_lanes = q_rows + 4 * dw[None, :]
-        q0 = tl.load(q_lanes + 0, mask=rmask[:, None], other=0.0)
-        q1 = tl.load(q_lanes + 1, mask=rmask[:, None], other=0.0)
-        q2 = tl.load(q_lanes + 2, mask=rmask[:, None], other=0.0)
-        q3 = tl.load(q_lanes + 3, mask=rmask[:, None], other=0.0)
-    else:
-        q = tl.load(q_rows + d[None, :], mask=rmask[:, None], other=0.0)
+    q = tl.load(q_ptr + (tok0 + rm)[:, None] * s_qt + rh[:, None] * s_qh + d[None, :], mask=rmask[:, None], other=0.0)
     w = tl.load(w_ptr + (tok0 + rm) * s_wt + rh, mask=rmask, other=0.0)  # 0 for padded heads and rows
     out_rows = out_ptr + (tok0 + mi).to(tl.int64)[:, None] * s_ot
 
     for s0 in range(start, k_end, BN):
         pos = s0 + tl.arange(0, BN)
         pmask = pos < k_end
-        blk = tl.load(bt_ptr + seq * s_btn + pos // BS, mask=pmask, other=0).to(tl.int64)
-        slot = pos % BS
-        if WORDS:
-            rec32 = blk * s_sb + slot * s_sr
-            dots = _word_dots(q0, q1, q2, q3, kb_ptr, rec32, dw, pmask, DOT_F32)  # kb: the int32 view
-            s_k = tl.load(ks_ptr + rec32 + D // 4, mask=pmask, other=0.0)
+        page = tl.load(bt_ptr + seq * s_btn + pos // BS, mask=pmask, other=0).to(tl.int64) * s_kb
+        k, s_k = _load_keys(kv_ptr, ks_ptr, page, pos % BS, d, pmask, D, BS, FMT, DOT, DOT_F32)
+        # keys as the dot's M side: BN (64-256) rows fill the tensor-core tile, the query's heads are its N
+        dots = tl.dot(k, tl.trans(q))  # [BN, BM*HP] fp32
+        part = tl.maximum(dots, 0.0) * w[None, :]
+        if BM == 1:  # decode: no reshape, whose layout change would cost a round trip through shared memory
+            score = tl.sum(part, axis=1)[None, :] * s_k[None, :]
         else:
-            k, s_k = _load_keys(kb_ptr, ks_ptr, blk * s_kb + slot * s_kr, blk * s_sb + slot * s_sr, d, pmask, D, FMT,
-                                DOT_F32)
-            dots = tl.dot(q, tl.trans(k))  # [BM*HP, BN] fp32
-        part = tl.maximum(dots, 0.0) * w[:, None]
-        score = tl.sum(tl.reshape(part, (BM, HP, BN)), axis=1) * s_k[None, :]  # [BM, BN]
+            score = tl.trans(tl.sum(tl.reshape(part, (BN, BM, HP)), axis=2)) * s_k[None, :]  # [BM, BN]
         score = tl.where(score == 0.0, 0.0, score)  # -0.0 -> +0.0: ties with +0.0 as in a float sort
         causal = (pos[None, :] <= qpos[:, None]) & (pos[None, :] < end)
         score = tl.where(causal, score, float("-inf"))
@@ -165,50 +150,62 @@ def _row_blocks(
     return tuple(x.to(torch.int32).to(device) for x in (seq, tok0, ntok))  # type: ignore[return-value]
 
 
+def default_chunk(row_blocks: int, width: int, block_n: int) -> int:
+    """Positions per program: about 4,096 programs over the step (many per SM, so that one program's
+    pipeline start overlaps others' loads), at most 2,048 positions each, at least one tile."""
+    want = max(1, row_blocks * width // 4096)
+    return max(block_n, min(2048, 1 << (want.bit_length() - 1)))
+
+
 def index_sort_keys(
     q8: torch.Tensor, w_folded: torch.Tensor, keys: torch.Tensor, layer: int, fmt: str,
     block_tables: torch.Tensor, query_lens: list[int], positions: torch.Tensor, width: int,
-    block_m: int | None = None, block_n: int = 64, chunk: int = 1024, num_warps: int = 4,
-    words: bool | None = None, num_stages: int = 3,
+    block_m: int | None = None, block_n: int = 128, chunk: int | None = None, num_warps: int = 4,
+    num_stages: int = 2, fp8_dot: bool | None = None,
 ) -> torch.Tensor:
     """Stage 1: composite keys [T, width] int64 of every (query row, position < width) pair.
 
-    q8 [T, H, D] holds the e4m3 query values (any float dtype; cast to bf16, exact), w_folded [T, H]
-    fp32 the folded head weights (spec §4.4); keys is the whole `index_keys` pool [blocks, n_mla, BS, rec]
-    uint8; positions [T] the rows' absolute positions.
+    q8 [T, H, D] holds the e4m3 query values (any float dtype; exact in fp16), w_folded [T, H] fp32 the
+    folded head weights (spec §4.4); keys is the whole `index_keys` pool [blocks, n_mla, BS, rec] uint8 in
+    split pages; positions [T] the rows' absolute positions.
+
+    FP8 keys on a GPU meet the queries in an FP8 tensor-core dot (`fp8_dot`, the default there): the
+    products are exact but Hopper keeps fewer accumulator bits, so scores are about 2e-4 (relative) off the
+    fp32 sums, inside the R1 contract's 1e-3 band around the k-th score (spec §4.6), and the kernel reads
+    the keys 1.3-1.6x faster. `fp8_dot=False` or HYSERVE_DSA_EXACT_SCORES=1 takes an fp16 dot instead
+    (e4m3 values are exact in fp16, sums in fp32: only their order differs from the reference).
     """
     t, h, d = q8.shape
     if fmt not in _FMT_CODES:
         raise ValueError(f"the Triton indexer reads 'fp8' or 'mxfp4' keys, not '{fmt}'")
     if keys.shape[-1] != dsa.key_record_bytes(fmt, d):
         raise ValueError(f"key records are {keys.shape[-1]} bytes, {fmt} with D={d} needs {dsa.key_record_bytes(fmt, d)}")
+    if fp8_dot is None:
+        fp8_dot = fmt == "fp8" and q8.is_cuda and d >= 32 and os.environ.get("HYSERVE_DSA_EXACT_SCORES", "0") != "1"
+    if fp8_dot and (fmt != "fp8" or not q8.is_cuda or d < 32):
+        raise ValueError(f"the FP8 dot reads FP8 keys with D >= 32 on a GPU, not {fmt} keys with D={d} on {q8.device}")
     hp = triton.next_power_of_2(h)
     decode = all(n == 1 for n in query_lens)
     bm = block_m or (1 if decode else max(1, 128 // hp))
     bm = max(bm, 16 // min(hp, 16))  # tl.dot needs at least 16 rows
     rb_seq, rb_tok, rb_n = _row_blocks(query_lens, q8.device, bm)
-    # Triton's CPU interpreter multiplies bf16 tiles as raw uint16: it gets fp32 operands (equally exact)
+    # Triton's CPU interpreter multiplies 16-bit tiles as raw integers: it gets fp32 operands (equally exact)
     dot_f32 = not q8.is_cuda
-    q = q8.to(torch.float32 if dot_f32 else torch.bfloat16).contiguous()
+    dot = 2 if fp8_dot else 0 if fmt == "fp8" else 1
+    qtype = torch.float32 if dot_f32 else (torch.float16, torch.bfloat16, torch.float8_e4m3fn)[dot]
+    q = q8.to(qtype).contiguous()
     w = w_folded.float().contiguous()
-    # FP8 keys as int32 words (4-byte loads; tl.dot needs D/4 >= 16) unless told otherwise
-    words = fmt == "fp8" and d >= 64 if words is None else words
-    if words and (fmt != "fp8" or d < 64):
-        raise ValueError(f"word loads read FP8 keys with D >= 64, not {fmt} with D={d}")
-    if fmt == "fp8":  # typed views of the same bytes: e4m3 values (or words), and the fp32 scale at word D/4
-        kb = keys.view(torch.int32 if words else torch.float8_e4m3fn)[:, layer]
-        ks = keys.view(torch.float32)[:, layer]
-    else:
-        kb = ks = keys[:, layer]
+    kv = keys[:, layer]  # [blocks, BS, rec] bytes; the same memory as fp32 words for the FP8 scales
+    ks = kv.view(torch.float32) if fmt == "fp8" else kv
     out = torch.empty(t, width, dtype=torch.int64, device=q8.device)
+    chunk = default_chunk(rb_seq.shape[0], width, block_n) if chunk is None else chunk
     chunk = triton.cdiv(chunk, block_n) * block_n
     grid = (rb_seq.shape[0], triton.cdiv(max(width, 1), chunk))
     _index_key_kernel[grid](
-        q, q.stride(0), q.stride(1), w, w.stride(0),
-        kb, kb.stride(0), kb.stride(1), ks, ks.stride(0), ks.stride(1),
+        q, q.stride(0), q.stride(1), w, w.stride(0), kv, ks, kv.stride(0),
         block_tables, block_tables.stride(0), rb_seq, rb_tok, rb_n, positions.contiguous(),
         out, out.stride(0), width, chunk,
-        H=h, HP=hp, D=d, BM=bm, BN=block_n, BS=keys.shape[2], FMT=_FMT_CODES[fmt], DOT_F32=dot_f32, WORDS=words,
+        H=h, HP=hp, D=d, BM=bm, BN=block_n, BS=keys.shape[2], FMT=_FMT_CODES[fmt], DOT=dot, DOT_F32=dot_f32,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -145,6 +145,51 @@ def dequantize_mxfp4_keys(rec: torch.Tensor) -> torch.Tensor:
 
 
 # ---- key records in the cache ------------------------------------------------------------------------
+# A page of the `index_keys` pool, [block_size, record bytes] for one block and MLA layer, is stored split:
+# the block_size value parts of its records first (e4m3 bytes, MXFP4 code pairs or raw keys), then their
+# scale parts (the fp32 scale, the E8M0 bytes). A tile of consecutive tokens' values is then one contiguous
+# 16-byte-aligned range that kernels read with vector loads; 132-byte records interleaved would be only
+# word-aligned. The record (spec §4.4) is unchanged: gathering a token's two parts gives it back.
+
+
+def key_scale_bytes(fmt: str, record_bytes: int) -> int:
+    """Bytes of a record's scale part (the value part is the rest)."""
+    if fmt == "fp8":
+        return 4
+    if fmt == "mxfp4":
+        return record_bytes // 17  # D/2 + D/32 = 17 D/32 bytes, D/32 of them E8M0 scales
+    if fmt == "raw":
+        return 0
+    raise ValueError(f"unknown index key format '{fmt}' (expected one of {KEY_FORMATS})")
+
+
+def key_page_views(pool: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """pool [blocks, layers, block_size, record] uint8 -> (values [.., block_size, V], scales [.., block_size, S])
+    views of the split pages."""
+    nb, nl, bs, rec = pool.shape
+    sb = key_scale_bytes(fmt, rec)
+    flat = pool.view(nb, nl, bs * rec)
+    v = rec - sb
+    return flat[..., : bs * v].unflatten(-1, (bs, v)), flat[..., bs * v :].unflatten(-1, (bs, sb))
+
+
+def write_key_records(pool: torch.Tensor, fmt: str, layer: int, slots: torch.Tensor, rec: torch.Tensor) -> None:
+    """Store records [N, R] at the flat cache slots [N] (block * block_size + offset) of one layer."""
+    if rec.shape[-1] != pool.shape[-1]:
+        raise ValueError(f"index key records are {rec.shape[-1]} bytes but the cache rows hold {pool.shape[-1]}")
+    vals, scales = key_page_views(pool, fmt)
+    blk, off = slots // pool.shape[2], slots % pool.shape[2]
+    v = vals.shape[-1]
+    vals[blk, layer, off] = rec[:, :v]
+    if scales.shape[-1]:
+        scales[blk, layer, off] = rec[:, v:]
+
+
+def gather_key_records(pool: torch.Tensor, fmt: str, layer: int, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The records [N, R] of one layer at (block, offset in the block) pairs."""
+    vals, scales = key_page_views(pool, fmt)
+    return torch.cat([vals[blocks, layer, offsets], scales[blocks, layer, offsets]], -1)
+
 
 
 def encode_keys(k: torch.Tensor, fmt: str, ue8m0: bool = False) -> torch.Tensor:

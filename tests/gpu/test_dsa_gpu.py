@@ -48,18 +48,21 @@ def test_index_topk_matches_r1(fmt, query_lens, ctx):
         at += n
 
 
-def test_word_and_byte_key_loads_give_the_same_scores():
-    """The FP8 keys read as int32 words (the default) or as bytes: the same exact products, summed in
-    another order, so the scores agree to fp32 rounding and the sort keys' positions exactly."""
+def test_fp8_dot_scores_stay_within_the_r1_tolerance():
+    """The FP8 tensor-core dot (the default on a GPU) against the exact fp16 dot: the same positions in
+    every sort key, scores within 1e-3 (Hopper keeps fewer accumulator bits for e4m3 products)."""
     from hyserve.ops.dsa_index_triton import index_sort_keys, sort_key_scores
 
     pool, bt, q, w, positions = index_case("fp8", [1, 1, 1, 1], [4096, 32768, 9000, 2049])
     q8, wf = dsa.quantize_queries(q, w)
-    by_word, by_byte = (index_sort_keys(q8, wf, pool, 1, "fp8", bt, [1] * 4, positions, 32768, words=x)
-                        for x in (True, False))
+    exact, fp8 = (index_sort_keys(q8, wf, pool, 1, "fp8", bt, [1] * 4, positions, 32768, fp8_dot=x)
+                  for x in (False, True))
     low = 0xFFFFFFFF
-    assert torch.equal(by_word & low, by_byte & low)
-    torch.testing.assert_close(sort_key_scores(by_word), sort_key_scores(by_byte), rtol=1e-5, atol=1e-6)
+    assert torch.equal(exact & low, fp8 & low)
+    a, b = sort_key_scores(fp8), sort_key_scores(exact)
+    fin = torch.isfinite(b)
+    assert torch.equal(fin, torch.isfinite(a))
+    assert float((a - b)[fin].abs().max() / b[fin].abs().max()) < 1e-3
 
 
 def test_equal_scores_select_the_lower_positions():

@@ -31,7 +31,7 @@ def four_layer_48b_config() -> dict:
 
 
 def run_steps(model, steps: list[list[tuple[int, list[int]]]], bs: int = 64) -> list[torch.Tensor]:
-    """Each step lists (sequence id, new tokens); returns the last-token logits of every step."""
+    """Each step lists (sequence id, new tokens); returns the logits of every token of every step."""
     cache = model.make_cache(64, bs, 4)
     done: dict[int, int] = {}
     outs = []
@@ -42,7 +42,7 @@ def run_steps(model, steps: list[list[tuple[int, list[int]]]], bs: int = 64) -> 
         batch = Batch.build(qlens, ctx, tables, bs, [s for s, _ in step], [s not in done for s, _ in step], "cuda")
         ids = torch.tensor([t for _, toks in step for t in toks], device="cuda")
         hidden = model(ids, batch, cache)
-        outs.append(model.compute_logits(hidden[batch.cu_seqlens[1:] - 1]))
+        outs.append(model.compute_logits(hidden).double().cpu())
         for (s, _), c in zip(step, ctx):
             done[s] = c
     return outs
@@ -70,13 +70,22 @@ def test_four_layer_48b_bf16_matches_fp32_reference():
     del model
     with reference_ops():
         slow = run_steps(ref_model, steps)
-    worst = []
-    for i, (a, r16, b) in enumerate(zip(fast, ref_bf16, slow)):
-        err = [float((z.double() - b.double()).norm(dim=-1).max() / b.double().norm(dim=-1).min()) for z in (a, r16)]
-        print(f"step {i}: rel err fast bf16 {err[0]:.2e}, reference bf16 {err[1]:.2e} (vs fp32 reference)")
-        assert torch.isfinite(a).all()
-        worst.append(err[0] <= 1.5 * err[1] + 1e-2)
-    assert all(worst), worst
+    # Per-row errors are heavy-tailed in a random 4-layer model (a row of the bf16 reference itself can be
+    # 1e-1 off while its median is 2e-2), so the fast path is judged by the distribution over all 402 rows
+    # against the bf16 reference's, not by one row. The decode-only steps' six rows get their own, looser
+    # check: too few to weigh in the quantiles, but a broken decode path is ~1 off there.
+    assert all(torch.isfinite(a).all() for a in fast)
+    for rows, quantiles, factor, slack in ((range(6), (0.5, 0.9), 1.25, 1e-3), ((2, 3, 5), (0.5,), 2.0, 1e-2)):
+        fast_err, ref_err = (torch.cat([row_errors(x[i], slow[i]) for i in rows]) for x in (fast, ref_bf16))
+        for q in quantiles:
+            f, r = float(fast_err.quantile(q)), float(ref_err.quantile(q))
+            print(f"steps {list(rows)} quantile {q}: rel err fast bf16 {f:.2e}, reference bf16 {r:.2e} (vs fp32)")
+            assert f <= factor * r + slack, (list(rows), q, f, r)
+
+
+def row_errors(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Relative L2 error of every logits row of a against b."""
+    return (a - b).norm(dim=-1) / b.norm(dim=-1)
 
 
 @pytest.mark.parametrize("model", ["kimi-linear-tiny", "k3-tiny"])

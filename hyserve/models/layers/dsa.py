@@ -74,10 +74,7 @@ class Indexer(nn.Module):
         if self.hadamard:
             q, k = dsa.hadamard(q).to(q.dtype), dsa.hadamard(k).to(k.dtype)
         keys, layer, bs = cache.index_keys, self.mla_index, cache.block_size
-        rec = dsa.encode_keys(k, self.fmt, self.ue8m0)
-        if rec.shape[-1] != keys.shape[-1]:
-            raise ValueError(f"index key records are {rec.shape[-1]} bytes but the cache rows hold {keys.shape[-1]}")
-        keys[batch.slot_mapping // bs, layer, batch.slot_mapping % bs] = rec
+        dsa.write_key_records(keys, self.fmt, layer, batch.slot_mapping, dsa.encode_keys(k, self.fmt, self.ue8m0))
 
         if dsa_fast_path(x) and self.fmt != "raw" and max(batch.context_lens) > self.topk:
             from hyserve.ops.dsa_index_triton import index_topk_fast
@@ -98,7 +95,7 @@ class Indexer(nn.Module):
                 out[sl, :ctx] = torch.where(sel > qpos[:, None], -1, sel)
                 continue
             pos = torch.arange(ctx, device=x.device)
-            stored = keys[batch.block_tables[i, pos // bs], layer, pos % bs]
+            stored = dsa.gather_key_records(keys, self.fmt, layer, batch.block_tables[i, pos // bs], pos % bs)
             # row chunks bound the [rows, ctx] scores and their sort, and a chunk scores only the keys
             # up to its last row's position (causal: the rest could not be selected)
             step = max(1, dsa.WORKSPACE_BYTES // (24 * ctx))
