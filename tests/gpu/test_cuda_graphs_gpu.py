@@ -8,9 +8,13 @@ import torch
 
 from hyserve import EngineConfig, SamplingParams
 from hyserve.engine.llm_engine import LLMEngine
-from hyserve.models.loader import load_model
+from hyserve.models.config import parse_config
+from hyserve.models.device_init import random_init_on_device
+from hyserve.models.loader import build_model, load_model
+from hyserve.models.presets import preset_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+WIDE_INDEX = "k3.1-tiny+index128"
 
 
 @pytest.fixture(scope="module")
@@ -18,6 +22,13 @@ def models():
     loaded = {}
 
     def get(name: str):
+        if name not in loaded and name == WIDE_INDEX:
+            # k3.1-tiny with 128-dim index keys: the indexer's FP8 tensor-core dot (D >= 32) inside graphs
+            cfg = preset_config("k3.1-tiny")
+            cfg.update(index_head_dim=128, index_n_heads=8)
+            model = build_model(parse_config(cfg), torch.float32, "cuda")
+            random_init_on_device(model, seed=0)
+            loaded[name] = model
         if name not in loaded:
             loaded[name] = load_model(name, dtype="float32", device="cuda", seed=0)
         return loaded[name]
@@ -26,7 +37,7 @@ def models():
 
 
 def _engine(model, name: str, **kw) -> LLMEngine:
-    base = dict(model=name, device="cuda", block_size=16, kv_cache_memory_bytes=64 << 20, max_num_seqs=8)
+    base = dict(model=name.split("+")[0], device="cuda", block_size=16, kv_cache_memory_bytes=64 << 20, max_num_seqs=8)
     return LLMEngine(EngineConfig(**dict(base, **kw)), model=model)
 
 
@@ -45,7 +56,7 @@ def _greedy(engine: LLMEngine, n: int) -> dict[str, list[int]]:
     return done
 
 
-@pytest.mark.parametrize("name", ["kimi-linear-tiny", "k3-tiny", "k3.1-tiny"])
+@pytest.mark.parametrize("name", ["kimi-linear-tiny", "k3-tiny", "k3.1-tiny", WIDE_INDEX])
 def test_graphed_decode_equals_eager_on_cuda(models, name):
     model = models(name)
     graphed = _engine(model, name)
