@@ -5,9 +5,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hyserve.ops.dispatch import fast_path
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Normalise in fp32, cast back to the input dtype, then scale by the weight in that dtype."""
+    """Normalise in fp32, cast back to the input dtype, then scale by the weight in that dtype.
+
+    On the GPU fast path (not while autograd records: the kernel has no backward) one Triton kernel
+    computes the same (ops/rms_norm.py)."""
+    if fast_path(x) and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        from hyserve.ops.rms_norm import rms_norm_fast
+
+        return rms_norm_fast(x, weight, eps)
     xf = x.float()
     y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return weight.to(x.dtype) * y
