@@ -56,7 +56,7 @@ def _store_split(o_ptr, s_oh, lse_ptr, heads, hmask, dr, m, l_sum, acc):
 def _mla_split_kernel(
     q_ptr, s_qn, s_qh, pages_ptr, s_pb, s_pr, bt_ptr, s_btn, ctx_ptr,
     o_ptr, s_on, s_os, s_oh, lse_ptr, s_ln, s_ls,
-    H, qk_scale, chunk,
+    H, qk_scale, S,
     BS: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
     IEEE: tl.constexpr,
 ):
@@ -64,6 +64,9 @@ def _mla_split_kernel(
     sp = tl.program_id(1)
     hb = tl.program_id(2)
     ctx = tl.load(ctx_ptr + n)
+    # each sequence's own context over the S splits (whole tiles): with S planned for a longer context
+    # (a CUDA graph plans for max_model_len) a short one still spreads over programs, not into split 0
+    chunk = tl.cdiv(tl.cdiv(ctx, S), BN) * BN
     start = sp * chunk
     end = tl.minimum(start + chunk, ctx)
     heads = hb * BH + tl.arange(0, BH)
@@ -114,7 +117,8 @@ def mla_decode_latent(
     """Attention of q_full [N, H, R + d_r] over each sequence's cached rows; returns o_lat [N, H, R] fp32.
 
     pages is one layer's view [blocks, block_size, row] (row unit-stride); block_tables [N, B];
-    context_lens [N] on the device; max_context is their maximum, known on the host.
+    context_lens [N] on the device; max_context bounds them on the host (a CUDA graph passes
+    max_model_len) and sets the number of splits, over which each sequence spreads its own context.
     """
     n, h, width = q_full.shape
     r, dr = kv_lora_rank, width - kv_lora_rank
@@ -126,15 +130,14 @@ def mla_decode_latent(
         sms = torch.cuda.get_device_properties(q_full.device).multi_processor_count if q_full.is_cuda else 132
         # (a split of under 512 rows costs more in partial-output traffic than it gains: measured)
         num_splits = max(1, min(triton.cdiv(2 * sms, n * hblocks), triton.cdiv(max_context, 512), 64))
-    chunk = triton.cdiv(triton.cdiv(max(max_context, 1), num_splits), block_n) * block_n
-    num_splits = max(1, triton.cdiv(max(max_context, 1), chunk))
+    num_splits = max(1, min(num_splits, triton.cdiv(max(max_context, 1), block_n)))  # no split without a tile
     part = torch.empty(n, num_splits, h, r, dtype=torch.float32, device=q_full.device)
     lse = torch.empty(n, num_splits, h, dtype=torch.float32, device=q_full.device)
     _mla_split_kernel[(n, num_splits, hblocks)](
         q_full, q_full.stride(0), q_full.stride(1), pages, pages.stride(0), pages.stride(1),
         block_tables, block_tables.stride(0), context_lens,
         part, *part.stride()[:3], lse, *lse.stride()[:2],
-        h, scale * math.log2(math.e), chunk,
+        h, scale * math.log2(math.e), num_splits,
         BS=pages.shape[1], R=r, DR=dr, BH=bh, BN=block_n, IEEE=pages.dtype == torch.float32,
         num_warps=num_warps, num_stages=num_stages,
     )
