@@ -85,3 +85,23 @@ def test_grouped_moe_matches_reference(t):
     assert rel_err(experts_forward_grouped(x, ids, w, w13, w2, act), y_ref) < 1e-2
     if t <= 8:
         assert rel_err(experts_forward_gemv(x, ids, w, w13, w2, act), y_ref) < 1e-2
+
+
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_fused_router_selects_as_the_reference(tokens):
+    """48B router shape (256 experts, top 8, bias, renormalised, scaled): the same experts, ties included."""
+    from hyserve.ops.router_topk import route_topk_fast
+
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, 2304, device="cuda", generator=gen).to(torch.bfloat16)
+    w = torch.randn(256, 2304, device="cuda", generator=gen) * 0.02
+    bias = torch.randn(256, device="cuda", generator=gen) * 0.01
+    logits = x.float() @ w.t()
+    logits[0, [3, *range(10, 20)]] = logits[0].max() + 1  # 11 experts tie at the top: ids 3, 10, ..., 16 win
+    bias[[3, *range(10, 20)]] = bias.max().item()
+    ids, wts = route_topk_fast(logits, bias, 8, True, 2.446)
+    # the reference from the same logits: x = logits against an identity gate (exact in fp32)
+    ref_ids, ref_w = moe_ref.route(logits, torch.eye(256, device="cuda"), bias, 8, renormalize=True, scaling=2.446)
+    assert ids[0].tolist() == [3, 10, 11, 12, 13, 14, 15, 16]
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(wts, ref_w, rtol=1e-5, atol=1e-6)

@@ -41,6 +41,13 @@ class Router(nn.Module):
         self.n_group, self.topk_group = cfg.num_expert_group, cfg.topk_group
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # decode-sized steps on the GPU: the selection in one kernel (ops/router_topk.py); no backward there
+        if (fast_path(x) and x.shape[0] <= 64 and (self.n_group == 1 or self.topk_group >= self.n_group)
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
+            from hyserve.ops.router_topk import route_topk_fast
+
+            logits = x.float() @ self.weight.float().t()
+            return route_topk_fast(logits, self.e_score_correction_bias, self.top_k, self.renormalize, self.scaling)
         return moe_ops.route(
             x, self.weight, self.e_score_correction_bias, self.top_k, renormalize=self.renormalize,
             scaling=self.scaling, n_group=self.n_group, topk_group=self.topk_group,
