@@ -11,22 +11,16 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 
 import pytest
 import torch
 from dsa_util import assert_topk_sets_match, paged_pool, reference_scores, write_keys
+from interpret_util import INTERPRETED
 
 from hyserve.ops import dsa_indexer as dsa
 from hyserve.ops.sparse_mla import sparse_mla
 
-pytestmark = [
-    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton"),
-    pytest.mark.skipif(
-        os.environ.get("TRITON_INTERPRET") != "1",
-        reason="needs TRITON_INTERPRET=1 before triton is imported (CUDA machines: see tests/gpu/test_dsa_gpu.py)",
-    ),
-]
+pytestmark = INTERPRETED
 
 
 @pytest.fixture(scope="module")

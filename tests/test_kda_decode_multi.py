@@ -11,21 +11,15 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 
 import pytest
 import torch
+from interpret_util import INTERPRETED
 
 from hyserve.models.layers.norm import gated_rms_norm, l2_normalize
 from hyserve.ops import kda as ref
 
-pytestmark = [
-    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton"),
-    pytest.mark.skipif(
-        os.environ.get("TRITON_INTERPRET") != "1",
-        reason="needs TRITON_INTERPRET=1 before triton is imported (CUDA machines: see tests/gpu/test_kda_gpu.py)",
-    ),
-]
+pytestmark = INTERPRETED
 H, K, W, SLOTS = 2, 16, 4, 7
 P = H * K
 EPS = 1e-5

@@ -7,17 +7,14 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 
 import pytest
 import torch
+from interpret_util import INTERPRETED
 
 from hyserve.ops.mla_attention import mla_absorbed_decode
 
-pytestmark = [
-    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton"),
-    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 before triton is imported"),
-]
+pytestmark = INTERPRETED
 H, DN, DR, DV, R, BS = 4, 16, 16, 16, 32, 8
 
 
