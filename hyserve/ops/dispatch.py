@@ -30,6 +30,12 @@ def fast_path(x: torch.Tensor) -> bool:
     return x.is_cuda and not _forced_reference and has_triton()
 
 
+def no_grad_fast_path(x: torch.Tensor, *params: torch.Tensor) -> bool:
+    """fast_path(x) for a kernel without a backward: off while autograd records through x or params
+    (training on the GPU keeps the torch reference there)."""
+    return fast_path(x) and not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *params)))
+
+
 def dsa_fast_path(x: torch.Tensor) -> bool:
     """The DSA Triton kernels (index scoring + top-k, sparse MLA) wherever the fast path runs;
     HYSERVE_DSA_TRITON=0 keeps the torch references on CUDA (to bisect a kernel against them)."""

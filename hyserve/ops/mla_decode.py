@@ -126,7 +126,7 @@ def mla_decode_latent(
     bh = max(16, min(32, triton.next_power_of_2(h)))  # tl.dot needs >= 16 rows
     hblocks = triton.cdiv(h, bh)
     if num_splits is None:
-        # enough programs to cover every multiprocessor about twice, but no split under 4 tiles
+        # enough programs to cover every multiprocessor about twice, but no split under 512 rows
         sms = torch.cuda.get_device_properties(q_full.device).multi_processor_count if q_full.is_cuda else 132
         # (a split of under 512 rows costs more in partial-output traffic than it gains: measured)
         num_splits = max(1, min(triton.cdiv(2 * sms, n * hblocks), triton.cdiv(max_context, 512), 64))

@@ -9,7 +9,7 @@ from hyserve.models.config import ModelConfig
 from hyserve.models.layers.activation import GLU
 from hyserve.models.layers.norm import RMSNorm
 from hyserve.ops import moe as moe_ops
-from hyserve.ops.dispatch import fast_path
+from hyserve.ops.dispatch import fast_path, no_grad_fast_path
 from hyserve.ops.moe_gemv import experts_forward_gemv
 from hyserve.ops.moe_grouped import experts_forward_grouped, grouped_mm_available
 
@@ -42,8 +42,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # decode-sized steps on the GPU: the selection in one kernel (ops/router_topk.py); no backward there
-        if (fast_path(x) and x.shape[0] <= 64 and (self.n_group == 1 or self.topk_group >= self.n_group)
-                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
+        if no_grad_fast_path(x, self.weight) and x.shape[0] <= 64 and (self.n_group == 1 or self.topk_group >= self.n_group):
             from hyserve.ops.router_topk import route_topk_fast
 
             logits = x.float() @ self.weight.float().t()

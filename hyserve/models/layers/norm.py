@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hyserve.ops.dispatch import fast_path
+from hyserve.ops.dispatch import no_grad_fast_path
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -13,7 +13,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
     On the GPU fast path (not while autograd records: the kernel has no backward) one Triton kernel
     computes the same (ops/rms_norm.py)."""
-    if fast_path(x) and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+    if no_grad_fast_path(x, weight):
         from hyserve.ops.rms_norm import rms_norm_fast
 
         return rms_norm_fast(x, weight, eps)
