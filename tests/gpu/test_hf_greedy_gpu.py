@@ -1,6 +1,7 @@
 """Greedy generation on the GPU (every fast path: fla prefill, Triton decode kernels, CUDA graphs) against
-transformers' KimiLinearForCausalLM run on the CPU in float32, 32 tokens, on a tiny random checkpoint
-(issue 6, item 3). The helpers are test_hf_parity's, which checks the same on the CPU."""
+transformers' KimiLinearForCausalLM in float32, 32 tokens, on a tiny random checkpoint (issue 6, item 3).
+transformers runs on the GPU too: with fla-core importable it binds fla's Triton kernels at import time,
+and those refuse CPU tensors. The helpers are test_hf_parity's, which checks the same on the CPU."""
 
 from __future__ import annotations
 
@@ -30,6 +31,6 @@ def test_greedy_on_the_gpu_matches_transformers(name, tmp_path):
     _randomize(model, seed=sorted(CONFIGS).index(name))
     model.save_pretrained(tmp_path)
     prompt = torch.randint(3, 101, (PROMPT_LEN,), generator=torch.Generator().manual_seed(1))[:24].tolist()
-    want, logits = transformers_greedy(model, prompt, GREEDY_TOKENS)
+    want, logits = transformers_greedy(model.cuda(), prompt, GREEDY_TOKENS)
     # fla's kernels multiply fp32 tiles as TF32 (about 1e-3 relative): a flip is allowed only at a near tie
     assert_greedy_matches(hyserve_greedy(tmp_path, prompt, GREEDY_TOKENS, "cuda"), want, logits, tol=1e-2)
