@@ -170,10 +170,10 @@ GREEDY_TOKENS = 32
 def transformers_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
     """n greedy tokens from the oracle, each from a full forward pass (no cache format to get wrong),
     with the logits each choice was made from."""
-    seq, logits, device = list(prompt), [], next(model.parameters()).device
+    seq, logits = list(prompt), []
     with torch.no_grad():
         for _ in range(n):
-            row = model(torch.tensor([seq], device=device), use_cache=False).logits[0, -1].float().cpu()
+            row = model(torch.tensor([seq]), use_cache=False).logits[0, -1].float()
             logits.append(row)
             seq.append(int(row.argmax()))
     return seq[len(prompt):], logits

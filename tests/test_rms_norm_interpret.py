@@ -58,3 +58,20 @@ def test_no_rows_give_an_empty_result(fast):
 def test_a_weight_of_the_wrong_width_is_refused(fast):
     with pytest.raises(ValueError, match="last dim is 16"):
         fast(torch.zeros(2, 16), torch.ones(8), 1e-5)
+
+
+def test_residual_add_returns_the_rounded_sum_and_its_norm(fast):
+    """The fused residual add: the sum rounded to the stream's dtype exactly as torch's add rounds it,
+    then the norm of that sum."""
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(4, 200, generator=gen) * 4).to(torch.float16)
+    d = (torch.randn(4, 200, generator=gen) * 4).to(torch.float16)
+    w = (1 + 0.2 * torch.randn(200, generator=gen)).to(torch.float16)
+    total, normed = fast(x, w, 1e-6, residual_delta=d)
+    assert torch.equal(total, x + d)
+    torch.testing.assert_close(normed, rms_norm(x + d, w, 1e-6), rtol=2e-3, atol=2e-3)
+
+
+def test_residual_of_another_shape_is_refused(fast):
+    with pytest.raises(ValueError, match="residual delta"):
+        fast(torch.ones(2, 8), torch.ones(8), 1e-6, residual_delta=torch.ones(3, 8))

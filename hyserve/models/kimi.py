@@ -14,7 +14,7 @@ from hyserve.models.layers.attn_res import AttnRes
 from hyserve.models.layers.kda import KimiDeltaAttention
 from hyserve.models.layers.mla import MLAttention
 from hyserve.models.layers.moe import DenseMLP, MoE, glu_of
-from hyserve.models.layers.norm import RMSNorm
+from hyserve.models.layers.norm import RMSNorm, add_rms_norm
 
 
 class DecoderLayer(nn.Module):
@@ -39,7 +39,10 @@ class DecoderLayer(nn.Module):
         return self.self_attn(self.input_layernorm(x), batch, cache)
 
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.post_attention_layernorm(x)
+        return self.mlp_out(self.post_attention_layernorm(x))
+
+    def mlp_out(self, h: torch.Tensor) -> torch.Tensor:
+        """The MLP or MoE on already-normed input."""
         return self.block_sparse_moe(h) if hasattr(self, "block_sparse_moe") else self.mlp(h)
 
 
@@ -56,10 +59,14 @@ class KimiModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, batch: Batch, cache: CacheTensors) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         if not self.block:
-            for layer in self.layers:
-                x = x + layer.attn(x, batch, cache)
-                x = x + layer.ffn(x)
-            return self.norm(x)
+            # each residual add runs with the pre-norm that follows it (one kernel on the GPU)
+            h = self.layers[0].input_layernorm(x)
+            norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+            for layer, next_norm in zip(self.layers, norms):
+                post = layer.post_attention_layernorm
+                x, h = add_rms_norm(x, layer.self_attn(h, batch, cache), post.weight, post.eps)
+                x, h = add_rms_norm(x, layer.mlp_out(h), next_norm.weight, next_norm.eps)
+            return h
         prefix: torch.Tensor | None = x
         blocks: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):

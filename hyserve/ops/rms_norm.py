@@ -5,6 +5,10 @@ decode step of the 48B shape runs 62 norms: a tenth of the step's launches. One 
 same arithmetic in one pass: sum of squares in fp32, x * rsqrt(mean + eps) cast to the input dtype,
 then the weight (cast to that dtype) times it, rounded once as torch's elementwise multiply rounds. Only
 the order of the fp32 sum differs from the reference.
+
+With a residual the same program first adds the layer's output to the residual stream, rounds the sum
+to the stream's dtype as torch's add does, and stores it: the 54 residual adds of a 48B decode step
+stop being launches of their own.
 """
 
 from __future__ import annotations
@@ -15,11 +19,18 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, s_x, s_o, n, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr, w_ptr, out_ptr, s_x, s_o, n, eps, d_ptr, sum_ptr, s_d, s_s, BLOCK: tl.constexpr, RESIDUAL: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     m = c < n
     x = tl.load(x_ptr + row * s_x + c, mask=m, other=0.0).to(tl.float32)
+    if RESIDUAL:  # x + delta, rounded to the stream's dtype, is both the new stream and the norm's input
+        x += tl.load(d_ptr + row * s_d + c, mask=m, other=0.0).to(tl.float32)
+        x = x.to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * s_s + c, x, mask=m)
+        x = x.to(tl.float32)
     r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps)
     dt = out_ptr.dtype.element_ty
     y = (x * r).to(dt).to(tl.float32)
@@ -27,19 +38,33 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, s_x, s_o, n, eps, BLOCK: tl.constexp
     tl.store(out_ptr + row * s_o + c, (w * y).to(dt), mask=m)
 
 
-def rms_norm_fast(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., D] (any float dtype, last dim contiguous or made so), weight [D] -> x's shape and dtype."""
+def _rows(x: torch.Tensor, d: int) -> torch.Tensor:
+    rows = x.reshape(-1, d)
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def rms_norm_fast(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual_delta: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] (any float dtype, last dim contiguous or made so), weight [D] -> x's shape and dtype.
+    With residual_delta (x's shape) returns (x + residual_delta, the norm of that sum) instead."""
     d = x.shape[-1]
     if weight.shape != (d,):
         raise ValueError(f"RMSNorm weight has shape {tuple(weight.shape)}, the input's last dim is {d}")
-    rows = x.reshape(-1, d)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows = _rows(x, d)
     out = torch.empty_like(rows)
+    if residual_delta is None:
+        delta = total = rows  # unused: RESIDUAL is off
+    else:
+        if residual_delta.shape != x.shape:
+            raise ValueError(f"residual delta has shape {tuple(residual_delta.shape)}, the input {tuple(x.shape)}")
+        delta, total = _rows(residual_delta, d), torch.empty_like(rows)
     if rows.shape[0]:
         block = triton.next_power_of_2(d)
         _rms_norm_kernel[(rows.shape[0],)](
-            rows, weight, out, rows.stride(0), out.stride(0), d, eps, BLOCK=block,
-            num_warps=min(16, max(1, block // 256)),
+            rows, weight, out, rows.stride(0), out.stride(0), d, eps, delta, total, delta.stride(0),
+            total.stride(0), BLOCK=block, RESIDUAL=residual_delta is not None, num_warps=min(16, max(1, block // 256)),
         )
-    return out.view(x.shape)
+    if residual_delta is None:
+        return out.view(x.shape)
+    return total.view(x.shape), out.view(x.shape)

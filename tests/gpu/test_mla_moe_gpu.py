@@ -87,6 +87,32 @@ def test_grouped_moe_matches_reference(t):
         assert rel_err(experts_forward_gemv(x, ids, w, w13, w2, act), y_ref) < 1e-2
 
 
+@pytest.mark.parametrize("t", [1, 8])
+def test_gemv_experts_carry_the_shared_expert(t):
+    """48B shape: the shared expert as the last pair of the two GEMV launches, silu fused into the down
+    kernel, against the reference routed experts plus the shared DenseMLP in fp32."""
+    from hyserve.models.layers.moe import DenseMLP
+    from hyserve.ops.moe_gemv import experts_forward_gemv, shared_fits
+
+    gen = torch.Generator("cuda").manual_seed(t)
+    e, d, inter, k = 256, 2304, 1024, 8
+    x = torch.randn(t, d, device="cuda", generator=gen).to(torch.bfloat16)
+    w13 = (torch.randn(e, 2 * inter, d, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    w2 = (torch.randn(e, d, inter, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    act = GLU("silu")
+    shared = DenseMLP(d, inter, act).cuda()
+    for p in shared.parameters():
+        p.data = (torch.randn(p.shape, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    assert shared_fits(shared, w13, w2)
+    ids, w = moe_ref.route(x, torch.randn(e, d, device="cuda", generator=gen) * 0.02, None, k, renormalize=True,
+                           scaling=2.446)
+    xf, (g, u, dn) = x.float(), (m.weight.float() for m in (shared.gate_proj, shared.up_proj, shared.down_proj))
+    y_ref = moe_ref.experts_forward(xf, ids, w, w13.float(), w2.float(), act) + act(xf @ g.t(), xf @ u.t()) @ dn.t()
+    with torch.no_grad():
+        got = experts_forward_gemv(x, ids, w, w13, w2, act, shared=shared)
+    assert rel_err(got, y_ref) < 1e-2
+
+
 @pytest.mark.parametrize("tokens", [1, 64])
 def test_fused_router_selects_as_the_reference(tokens):
     """48B router shape (256 experts, top 8, bias, renormalised, scaled): the same experts, ties included."""

@@ -25,6 +25,22 @@ def test_fused_rms_norm_matches_the_reference(rows, dim):
     assert (got == ref).float().mean() > 0.99
 
 
+@pytest.mark.parametrize("rows", [1, 64, 4096])
+def test_fused_residual_add_is_torch_add_and_its_norm(rows):
+    from hyserve.models.layers.norm import add_rms_norm
+
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    x = (torch.randn(rows, 2304, device="cuda", generator=gen) * 3).to(torch.bfloat16)
+    d = (torch.randn(rows, 2304, device="cuda", generator=gen) * 3).to(torch.bfloat16)
+    w = (1 + 0.2 * torch.randn(2304, device="cuda", generator=gen)).to(torch.bfloat16)
+    with reference_ops():
+        ref_sum, ref = add_rms_norm(x, d, w, 1e-6)
+    total, got = add_rms_norm(x, d, w, 1e-6)
+    assert torch.equal(total, ref_sum)
+    torch.testing.assert_close(got, ref, rtol=1.6e-2, atol=1e-2)
+    assert (got == ref).float().mean() > 0.99
+
+
 def test_the_layer_takes_the_kernel_only_without_autograd():
     x = torch.randn(4, 64, device="cuda", requires_grad=True)
     w = torch.ones(64, device="cuda", requires_grad=True)

@@ -10,7 +10,7 @@ from hyserve.models.layers.activation import GLU
 from hyserve.models.layers.norm import RMSNorm
 from hyserve.ops import moe as moe_ops
 from hyserve.ops.dispatch import fast_path, no_grad_fast_path
-from hyserve.ops.moe_gemv import experts_forward_gemv
+from hyserve.ops.moe_gemv import experts_forward_gemv, shared_fits
 from hyserve.ops.moe_grouped import experts_forward_grouped, grouped_mm_available
 
 
@@ -78,10 +78,14 @@ class MoE(nn.Module):
         dense, differentiable one); by default the fastest available kernel is picked."""
         ids, w = self.gate(x)
         xe = self.routed_expert_down_proj(x) if self.latent else x
+        shared = self.shared_experts
         if experts_fn is not None:
             y = experts_fn(xe, ids, w, self.w13, self.w2, self.act)
         elif fast_path(xe) and ids.numel() <= 64:  # decode: read only the selected experts' rows
-            y = experts_forward_gemv(xe, ids, w, self.w13, self.w2, self.act)
+            # the shared expert rides in the same two launches when it has the routed experts' shape
+            fused = shared if shared is not None and not self.latent and shared_fits(shared, self.w13, self.w2) else None
+            y = experts_forward_gemv(xe, ids, w, self.w13, self.w2, self.act, shared=fused)
+            shared = None if fused is not None else shared
         elif fast_path(xe) and grouped_mm_available(xe, self.w13):
             y = experts_forward_grouped(xe, ids, w, self.w13, self.w2, self.act)
         else:
@@ -90,6 +94,6 @@ class MoE(nn.Module):
             if self.routed_expert_norm is not None:
                 y = self.routed_expert_norm(y)
             y = self.routed_expert_up_proj(y)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
+        if shared is not None:
+            y = y + shared(x)
         return y

@@ -22,6 +22,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight.to(x.dtype) * y
 
 
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, rms_norm(x + delta)): a residual add and the next pre-norm, one kernel on the GPU."""
+    if no_grad_fast_path(x, weight) and delta.dtype == x.dtype and not delta.requires_grad:
+        from hyserve.ops.rms_norm import rms_norm_fast
+
+        return rms_norm_fast(x, weight, eps, residual_delta=delta)
+    s = x + delta
+    return s, rms_norm(s, weight, eps)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()

@@ -1,0 +1,79 @@
+"""The decode-sized MoE kernels (hyserve/ops/moe_gemv.py) run by Triton's CPU interpreter against the torch
+reference (ops/moe.experts_forward plus the shared expert as a dense MLP, spec/models.md §2.6).
+tests/gpu/test_mla_moe_gpu.py checks the compiled kernels at the 48B shape."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from interpret_util import INTERPRETED
+
+from hyserve.models.layers.activation import GLU
+from hyserve.models.layers.moe import DenseMLP
+from hyserve.ops.moe import experts_forward
+
+pytestmark = INTERPRETED
+
+E, D, INTER, K = 12, 48, 32, 3
+
+
+@pytest.fixture(scope="module")
+def gemv():
+    return importlib.import_module("hyserve.ops.moe_gemv")
+
+
+def _weights(seed: int, act: GLU):
+    gen = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(E, 2 * INTER, D, generator=gen) * 0.2
+    w2 = torch.randn(E, D, INTER, generator=gen) * 0.2
+    shared = DenseMLP(D, INTER, act)
+    for p in shared.parameters():
+        p.data = torch.randn(p.shape, generator=gen) * 0.2
+    return w13, w2, shared
+
+
+def _routing(t: int, seed: int):
+    gen = torch.Generator().manual_seed(100 + seed)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(t)])
+    return ids, torch.rand(t, K, generator=gen) + 0.1
+
+
+@pytest.mark.parametrize("act", [GLU("silu"), GLU("situ", 3.0, 2.0)], ids=["silu", "situ"])
+@pytest.mark.parametrize("t", [1, 3])
+def test_routed_experts_match_the_reference(gemv, act, t):
+    w13, w2, _ = _weights(t, act)
+    x = torch.randn(t, D, generator=torch.Generator().manual_seed(t))
+    ids, w = _routing(t, t)
+    got = gemv.experts_forward_gemv(x, ids, w, w13, w2, act, block_n=16, block_k=16)
+    torch.testing.assert_close(got, experts_forward(x, ids, w, w13, w2, act), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("act", [GLU("silu"), GLU("situ", 3.0, 2.0)], ids=["silu", "situ"])
+@pytest.mark.parametrize("t", [1, 4])
+def test_shared_expert_rides_as_the_last_pair(gemv, act, t):
+    w13, w2, shared = _weights(10 + t, act)
+    assert gemv.shared_fits(shared, w13, w2)
+    x = torch.randn(t, D, generator=torch.Generator().manual_seed(t))
+    ids, w = _routing(t, t)
+    got = gemv.experts_forward_gemv(x, ids, w, w13, w2, act, shared=shared, block_n=16, block_k=16)
+    want = experts_forward(x, ids, w, w13, w2, act) + shared(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_activation_is_rounded_as_the_torch_glu_rounds_it(gemv):
+    """In bf16 the fused SiLU-GLU rounds to bf16 before the down projection, as GLU.__call__ does."""
+    act = GLU("silu")
+    w13, w2, shared = (z.to(torch.bfloat16) if isinstance(z, torch.Tensor) else z.to(torch.bfloat16)
+                       for z in _weights(7, act))
+    x = torch.randn(2, D, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    ids, w = _routing(2, 7)
+    got = gemv.experts_forward_gemv(x, ids, w, w13, w2, act, shared=shared, block_n=16, block_k=16).float()
+    want = experts_forward(x.float(), ids, w, w13.float(), w2.float(), act) + shared.float()(x.float())
+    assert (got - want).abs().max() <= 2e-2 * want.abs().max()
+
+
+def test_a_shared_expert_of_another_width_does_not_fit(gemv):
+    w13, w2, _ = _weights(0, GLU("silu"))
+    assert not gemv.shared_fits(DenseMLP(D, 2 * INTER, GLU("silu")), w13, w2)
