@@ -36,6 +36,12 @@ def no_grad_fast_path(x: torch.Tensor, *params: torch.Tensor) -> bool:
     return fast_path(x) and not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *params)))
 
 
+def pow2_dims(*dims: int) -> bool:
+    """Whether every dim is a power of two: the Triton kernels span a head or latent row with one
+    tl.arange, which must be. Layers with other widths (small test checkpoints) take the torch path."""
+    return all(d > 0 and d & (d - 1) == 0 for d in dims)
+
+
 def dsa_fast_path(x: torch.Tensor) -> bool:
     """The DSA Triton kernels (index scoring + top-k, sparse MLA) wherever the fast path runs;
     HYSERVE_DSA_TRITON=0 keeps the torch references on CUDA (to bisect a kernel against them)."""

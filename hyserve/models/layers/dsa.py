@@ -17,7 +17,7 @@ from hyserve.models.batch import Batch, CacheTensors
 from hyserve.models.config import ModelConfig
 from hyserve.models.layers.rope import Rotary
 from hyserve.ops import dsa_indexer as dsa
-from hyserve.ops.dispatch import dsa_fast_path
+from hyserve.ops.dispatch import dsa_fast_path, pow2_dims
 from hyserve.ops.sparse_mla import sparse_mla
 
 _K_NORM_EPS = 1e-6
@@ -76,7 +76,7 @@ class Indexer(nn.Module):
         keys, layer, bs = cache.index_keys, self.mla_index, cache.block_size
         dsa.write_key_records(keys, self.fmt, layer, batch.slot_mapping, dsa.encode_keys(k, self.fmt, self.ue8m0))
 
-        if dsa_fast_path(x) and self.fmt != "raw" and max(batch.context_lens) > self.topk:
+        if dsa_fast_path(x) and pow2_dims(self.head_dim) and self.fmt != "raw" and max(batch.context_lens) > self.topk:
             from hyserve.ops.dsa_index_triton import index_topk_fast
 
             return index_topk_fast(

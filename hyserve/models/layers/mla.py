@@ -12,7 +12,7 @@ from hyserve.models.layers.dsa import Indexer, sparse_mla, token_seq_ids
 from hyserve.models.layers.norm import RMSNorm
 from hyserve.models.layers.rope import Rotary
 from hyserve.ops import mla_attention as mla_ops
-from hyserve.ops.dispatch import dsa_fast_path, fast_path
+from hyserve.ops.dispatch import dsa_fast_path, fast_path, pow2_dims
 
 # q_a_layernorm / kv_a_layernorm use the class default eps, not rms_norm_eps (spec §1.4).
 _LATENT_NORM_EPS = 1e-6
@@ -72,7 +72,7 @@ class MLAttention(nn.Module):
         pages[batch.slot_mapping // bs, layer, batch.slot_mapping % bs] = rows.to(pages.dtype)
         if self.indexer is not None:
             selected = self.indexer(x, q_lat, batch, cache, cos_sin)
-            if dsa_fast_path(x):
+            if dsa_fast_path(x) and pow2_dims(self.rank, self.dr):
                 from hyserve.ops.sparse_mla_triton import sparse_mla_fast
 
                 o = sparse_mla_fast(
@@ -85,7 +85,7 @@ class MLAttention(nn.Module):
                 self.kv_b_proj.weight, self.rank, self.dv, self.scale, token_seq=token_seq_ids(batch),
             )
             return self.project_out(o, x)
-        if fast_path(x):
+        if fast_path(x) and pow2_dims(self.rank, self.dr):
             return self.project_out(self._attend_fast(q_nope, q_rope, batch, cache), x)
 
         o = torch.empty(t, self.num_heads, self.dv, dtype=torch.float32, device=x.device)
