@@ -61,7 +61,7 @@ def _up_kernel(
     e = tl.load(ids_ptr + t * K_ROUTED + tl.minimum(j, K_ROUTED - 1)).to(tl.int64)
     base = e * s_we
     if SHARED:  # inter is a multiple of BN (checked by the caller): a block is all gate or all up rows
-        shared_base = tl.where(rb * BN < inter, gate_off, up_off - inter * s_wr)
+        shared_base = tl.where(rb * BN < inter, gate_off.to(tl.int64), up_off.to(tl.int64) - inter * s_wr)
         base = tl.where(j == K_ROUTED, shared_base, base)
     rows = rb * BN + tl.arange(0, BN)
     rmask = rows < 2 * inter
@@ -85,7 +85,7 @@ def _down_kernel(
     wt = tl.load(wts_ptr + t * K_ROUTED + jr).to(tl.float32)
     base = e * s_we
     if SHARED:
-        base = tl.where(j == K_ROUTED, down_off, base)
+        base = tl.where(j == K_ROUTED, down_off.to(tl.int64), base)
         wt = tl.where(j == K_ROUTED, 1.0, wt)
     rows = rb * BN + tl.arange(0, BN)
     rmask = rows < N
