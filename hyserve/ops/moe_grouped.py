@@ -13,10 +13,12 @@ import torch
 
 
 def grouped_mm_available(x: torch.Tensor, w13: torch.Tensor) -> bool:
-    """bf16 operands with 16-byte aligned rows, and a torch that has the op."""
+    """bf16 operands with 16-byte aligned rows on an sm90+ GPU (the op's kernels), and a torch that has
+    the op; elsewhere ops/moe_triton.py runs the same grouped GEMMs."""
     return (
         hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16 and w13.dtype == torch.bfloat16
         and x.shape[-1] % 8 == 0 and w13.shape[1] % 16 == 0
+        and x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0)
     )
 
 

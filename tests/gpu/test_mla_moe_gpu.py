@@ -72,6 +72,7 @@ def test_mla_prefill_matches_reference():
 def test_grouped_moe_matches_reference(t):
     from hyserve.ops.moe_gemv import experts_forward_gemv
     from hyserve.ops.moe_grouped import experts_forward_grouped
+    from hyserve.ops.moe_triton import experts_forward_triton
 
     gen = torch.Generator("cuda").manual_seed(t)
     e, d, inter, k = 256, 2304, 1024, 8
@@ -83,6 +84,7 @@ def test_grouped_moe_matches_reference(t):
     act = GLU("silu")
     y_ref = moe_ref.experts_forward(x.float(), ids, w, w13.float(), w2.float(), act)
     assert rel_err(experts_forward_grouped(x, ids, w, w13, w2, act), y_ref) < 1e-2
+    assert rel_err(experts_forward_triton(x, ids, w, w13, w2, act), y_ref) < 1e-2
     if t <= 8:
         assert rel_err(experts_forward_gemv(x, ids, w, w13, w2, act), y_ref) < 1e-2
 

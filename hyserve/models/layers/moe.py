@@ -12,6 +12,7 @@ from hyserve.ops import moe as moe_ops
 from hyserve.ops.dispatch import fast_path, no_grad_fast_path
 from hyserve.ops.moe_gemv import experts_forward_gemv, shared_fits
 from hyserve.ops.moe_grouped import experts_forward_grouped, grouped_mm_available
+from hyserve.ops.moe_triton import experts_forward_triton
 
 
 def _linear(i: int, o: int) -> nn.Linear:
@@ -88,6 +89,8 @@ class MoE(nn.Module):
             shared = None if fused is not None else shared
         elif fast_path(xe) and grouped_mm_available(xe, self.w13):
             y = experts_forward_grouped(xe, ids, w, self.w13, self.w2, self.act)
+        elif fast_path(xe) and xe.dtype != torch.float32:  # fp16, or before sm90; fp32 keeps the exact loop
+            y = experts_forward_triton(xe, ids, w, self.w13, self.w2, self.act)
         else:
             y = moe_ops.experts_forward(xe, ids, w, self.w13, self.w2, self.act)
         if self.latent:
