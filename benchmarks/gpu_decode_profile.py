@@ -3,6 +3,7 @@ kimi-linear-48b-a3b preset (random bf16 weights), eager and with CUDA graphs, at
 
     python benchmarks/gpu_decode_profile.py                 # one H200; appends to docs/BENCHMARKS.md
     python benchmarks/gpu_decode_profile.py --batches 1 --no-append
+    python benchmarks/gpu_decode_profile.py --batches 64 --trace /tmp/traces   # plus Chrome traces
 
 Prints, per (batch, mode), the host time per profiled step, the summed GPU kernel time per step and the
 largest kernels by GPU time: the per-kernel breakdown behind benchmarks/gpu_engine_decode.py's numbers.
@@ -11,6 +12,7 @@ largest kernels by GPU time: the per-kernel breakdown behind benchmarks/gpu_engi
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -26,7 +28,7 @@ from hyserve.tokenizer import load_tokenizer
 PROMPT, STEPS = 512, 10
 
 
-def profile_steps(model, tokenizer, n: int, graphs: bool, top: int) -> str:
+def profile_steps(model, tokenizer, n: int, graphs: bool, top: int, trace: str | None = None) -> str:
     cfg = EngineConfig(model="kimi-linear-48b-a3b", device="cuda", max_num_seqs=max(n, 1), max_model_len=1024,
                        enforce_eager=not graphs, enable_prefix_caching=False)
     engine = LLMEngine(cfg, model=model, tokenizer=tokenizer, cuda_graphs=graphs)
@@ -43,6 +45,9 @@ def profile_steps(model, tokenizer, n: int, graphs: bool, top: int) -> str:
             engine.step()
         torch.cuda.synchronize()
         host = (time.perf_counter() - t) / STEPS * 1e3
+    if trace:  # the timeline shows where the GPU sits idle between a step's kernels and the next step's
+        os.makedirs(trace, exist_ok=True)
+        prof.export_chrome_trace(os.path.join(trace, f"decode_b{n}_{'graphs' if graphs else 'eager'}.json"))
     while engine.has_unfinished_requests():
         engine.step()
     del engine
@@ -58,6 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batches", default="1,64")
     p.add_argument("--top", type=int, default=8, help="kernels listed per row")
+    p.add_argument("--trace", default=None, help="directory for a Chrome trace of each profiled run")
     p.add_argument("--no-append", action="store_true", help="print only; leave docs/BENCHMARKS.md alone")
     args = p.parse_args(argv)
     model = load_48b()
@@ -66,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
              "|---|---|---|---|---|"]
     for n in (int(b) for b in args.batches.split(",")):
         for graphs in (False, True):
-            table.append(profile_steps(model, tokenizer, n, graphs, args.top))
+            table.append(profile_steps(model, tokenizer, n, graphs, args.top, args.trace))
             print(table[-1], flush=True)
     notes = [f"{STEPS} decode-only steps after {PROMPT}-token prompts, prefix caching off; the profiler adds host time."]
     if args.no_append:
