@@ -77,3 +77,10 @@ def test_bf16_activation_is_rounded_as_the_torch_glu_rounds_it(gemv):
 def test_a_shared_expert_of_another_width_does_not_fit(gemv):
     w13, w2, _ = _weights(0, GLU("silu"))
     assert not gemv.shared_fits(DenseMLP(D, 2 * INTER, GLU("silu")), w13, w2)
+
+
+def test_no_tokens_give_no_rows(gemv):
+    w13, w2, shared = _weights(0, GLU("silu"))
+    got = gemv.experts_forward_gemv(torch.zeros(0, D), torch.zeros(0, K, dtype=torch.long), torch.zeros(0, K),
+                                    w13, w2, GLU("silu"), shared=shared, block_n=16, block_k=16)
+    assert got.shape == (0, D)

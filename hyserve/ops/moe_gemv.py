@@ -121,6 +121,8 @@ def experts_forward_gemv(
     that `shared_fits`) is given. Meant for T·k up to a few dozen pairs."""
     t, k = ids.shape
     inter, d = w13.shape[1] // 2, w13.shape[2]
+    if t == 0:
+        return x.new_zeros(0, d)
     assert w13.stride(-1) == 1 and w2.stride(-1) == 1 and x.stride(-1) == 1 and inter % block_n == 0
     pairs = k + (shared is not None)
     ids, weights = ids.contiguous(), weights.contiguous()
