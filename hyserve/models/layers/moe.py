@@ -89,7 +89,8 @@ class MoE(nn.Module):
             shared = None if fused is not None else shared
         elif fast_path(xe) and grouped_mm_available(xe, self.w13):
             y = experts_forward_grouped(xe, ids, w, self.w13, self.w2, self.act)
-        elif fast_path(xe) and xe.dtype != torch.float32:  # fp16, or before sm90; fp32 keeps the exact loop
+        elif no_grad_fast_path(xe, self.w13, self.w2) and xe.dtype != torch.float32:
+            # fp16, or a GPU before sm90 (fp32 keeps the exact loop; training keeps autograd)
             y = experts_forward_triton(xe, ids, w, self.w13, self.w2, self.act)
         else:
             y = moe_ops.experts_forward(xe, ids, w, self.w13, self.w2, self.act)
