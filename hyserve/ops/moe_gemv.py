@@ -2,15 +2,18 @@
 experts' rows (DESIGN.md §6). `torch._grouped_mm` costs about 0.5 ms per call at 1-8 tokens on an H200
 whatever the token count (measured 2026-11-30), which is 26 MoE layers × 0.5 ms per decode step.
 
-The up kernel runs one program per (token-expert pair, block of gate|up rows). The down kernel runs one
-program per (token, block of output rows). It applies the SiLU-GLU to the pairs' gate|up rows as it
-reads them, then sums its k experts with their routing weights in fp32. One launch replaces the
-activation, the per-pair outputs and the reduction that followed them.
+Both kernels run one program per (token-expert pair, block of rows): many programs per SM keep enough
+loads in flight. The down kernel applies the SiLU-GLU to its pair's gate|up row as it reads it and
+scales by the routing weight; a third small kernel sums each token's pairs in a fixed order (no
+atomics, so the result does not depend on scheduling) and casts. Three launches replace the
+activation's casts, the reduction and the add that followed them.
 
-A shared expert of the same width as the routed ones (Kimi Linear, DeepSeek) can ride along as a last
-pair of weight 1 per token. This takes the place of three cuBLAS GEMV calls per layer, which at 1024 output
+A shared expert of the same width as the routed ones (Kimi Linear, DeepSeek) rides along as a last pair
+of weight 1 per token. This takes the place of three cuBLAS GEMV calls per layer, which at 1024 output
 rows fill only 16 of the H200's 132 SMs (13.5 µs per call against about 3 µs at copy speed; profiled
-2026-11-30). The shared weights are read where they lie: each load is masked to one of the two tensors.
+2026-11-30). Its weights are read where they lie, through their element offsets from the routed
+weights' base pointer: one scalar base per program. (Three masked loads per tile, one per tensor, ran
+the up kernel at 1.9 TB/s against 3.1 for one load.)
 """
 
 from __future__ import annotations
@@ -23,82 +26,90 @@ import triton.language as tl
 
 
 @triton.jit
+def _gemv_rows(w_ptr, base, s_wr, rows, rmask, v_ptr, Kdim, SILU_GLU: tl.constexpr, BN: tl.constexpr,
+               BK: tl.constexpr):
+    """Σ_c w[base + r·s_wr + c] · v[c] for the rows r, fp32. With SILU_GLU, v holds gate|up (2·Kdim
+    values) and the activation is applied, rounded to v's dtype as the torch GLU rounds it."""
+    acc = tl.zeros([BN], tl.float32)
+    wrows = w_ptr + base + rows[:, None] * s_wr
+    for c0 in range(0, Kdim, BK):
+        cols = c0 + tl.arange(0, BK)
+        cm = cols < Kdim
+        if SILU_GLU:
+            g = tl.load(v_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+            u = tl.load(v_ptr + Kdim + cols, mask=cm, other=0.0).to(tl.float32)
+            v = (g * tl.sigmoid(g) * u).to(v_ptr.dtype.element_ty).to(tl.float32)
+        else:
+            v = tl.load(v_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+        w = tl.load(wrows + cols[None, :], mask=rmask[:, None] & cm[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(w * v[None, :], axis=1)
+    return acc
+
+
+@triton.jit
 def _up_kernel(
-    x_ptr, s_xm, w_ptr, s_we, s_wr, ids_ptr, sg_ptr, su_ptr, h_ptr, s_hm, inter, Kdim,
+    x_ptr, s_xm, w_ptr, s_we, s_wr, ids_ptr, gate_off, up_off, h_ptr, s_hm, inter, Kdim,
     K_ROUTED: tl.constexpr, SHARED: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
-    """h[p, r] = Σ_c w13[e_p, r, c] · x[t_p, c] over 2·inter rows, fp32 accumulation. Pairs run k routed
-    experts, then (SHARED) the shared expert, whose gate and up rows come from sg_ptr / su_ptr."""
+    """h[p] = w13[e_p] · x[t_p] over 2·inter rows. Pairs run a token's k routed experts, then (SHARED)
+    the shared expert, whose gate and up rows lie gate_off / up_off elements from w_ptr."""
     p = tl.program_id(0)
     rb = tl.program_id(1)
     pairs: tl.constexpr = K_ROUTED + SHARED
     t = p // pairs
     j = p % pairs
     e = tl.load(ids_ptr + t * K_ROUTED + tl.minimum(j, K_ROUTED - 1)).to(tl.int64)
+    base = e * s_we
+    if SHARED:  # inter is a multiple of BN (checked by the caller): a block is all gate or all up rows
+        shared_base = tl.where(rb * BN < inter, gate_off.to(tl.int64), up_off.to(tl.int64) - inter * s_wr)
+        base = tl.where(j == K_ROUTED, shared_base, base)
     rows = rb * BN + tl.arange(0, BN)
     rmask = rows < 2 * inter
-    # per-row copies of the pair index: Triton's interpreter cannot broadcast a scalar bool into a mask
-    jrow = tl.zeros([BN], tl.int32) + j
-    routed = (rmask & (jrow < K_ROUTED))[:, None]
-    shared_gate = (rmask & (jrow == K_ROUTED) & (rows < inter))[:, None]
-    shared_up = (rmask & (jrow == K_ROUTED) & (rows >= inter))[:, None]
-    routed_rows = w_ptr + e * s_we + rows[:, None] * s_wr
-    acc = tl.zeros([BN], tl.float32)
-    xrow = x_ptr + t * s_xm
-    for c0 in range(0, Kdim, BK):
-        cols = c0 + tl.arange(0, BK)
-        cm = cols < Kdim
-        xv = tl.load(xrow + cols, mask=cm, other=0.0).to(tl.float32)
-        wv = tl.load(routed_rows + cols[None, :], mask=routed & cm[None, :], other=0.0).to(tl.float32)
-        if SHARED:  # masked loads, not a select between pointers: one of the three reads memory
-            wv += tl.load(sg_ptr + rows[:, None] * Kdim + cols[None, :], mask=shared_gate & cm[None, :],
-                          other=0.0).to(tl.float32)
-            wv += tl.load(su_ptr + (rows[:, None] - inter) * Kdim + cols[None, :], mask=shared_up & cm[None, :],
-                          other=0.0).to(tl.float32)
-        acc += tl.sum(wv * xv[None, :], axis=1)
+    acc = _gemv_rows(w_ptr, base, s_wr, rows, rmask, x_ptr + t * s_xm, Kdim, False, BN, BK)
     tl.store(h_ptr + p * s_hm + rows, acc.to(h_ptr.dtype.element_ty), mask=rmask)
 
 
 @triton.jit
 def _down_kernel(
-    a_ptr, s_am, w_ptr, s_we, s_wr, ids_ptr, wts_ptr, sd_ptr, out_ptr, s_om, N, inter,
+    a_ptr, s_am, w_ptr, s_we, s_wr, ids_ptr, wts_ptr, down_off, part_ptr, s_pm, N, inter,
     K_ROUTED: tl.constexpr, SHARED: tl.constexpr, SILU_GLU: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
-    """out[t, r] = Σ_j wt_j Σ_c w2[e_j, r, c] · a[t·pairs + j, c], fp32 over the token's pairs. With
-    SILU_GLU, a row of a_ptr holds gate|up and the activation is applied here, rounded to the model
-    dtype as the torch GLU rounds it; otherwise a row holds the activation already."""
-    t = tl.program_id(0)
+    """part[p] = wt_p · w2[e_p] · a[p], fp32; the shared pair (weight 1) lies down_off elements from w_ptr."""
+    p = tl.program_id(0)
     rb = tl.program_id(1)
     pairs: tl.constexpr = K_ROUTED + SHARED
+    t = p // pairs
+    j = p % pairs
+    jr = tl.minimum(j, K_ROUTED - 1)
+    e = tl.load(ids_ptr + t * K_ROUTED + jr).to(tl.int64)
+    wt = tl.load(wts_ptr + t * K_ROUTED + jr).to(tl.float32)
+    base = e * s_we
+    if SHARED:
+        base = tl.where(j == K_ROUTED, down_off.to(tl.int64), base)
+        wt = tl.where(j == K_ROUTED, 1.0, wt)
     rows = rb * BN + tl.arange(0, BN)
     rmask = rows < N
-    acc = tl.zeros([BN], tl.float32)
-    for j in tl.static_range(pairs):  # unrolled: j is a compile-time constant
-        jr = min(j, K_ROUTED - 1)
-        e = tl.load(ids_ptr + t * K_ROUTED + jr).to(tl.int64)
-        wt = 1.0 if j == K_ROUTED else tl.load(wts_ptr + t * K_ROUTED + jr).to(tl.float32)
-        jrow = tl.zeros([BN], tl.int32) + j
-        routed = (rmask & (jrow < K_ROUTED))[:, None]
-        shared = (rmask & (jrow == K_ROUTED))[:, None]
-        arow = a_ptr + (t * pairs + j) * s_am
-        routed_rows = w_ptr + e * s_we + rows[:, None] * s_wr
-        part = tl.zeros([BN], tl.float32)
-        for c0 in range(0, inter, BK):
-            cols = c0 + tl.arange(0, BK)
-            cm = cols < inter
-            if SILU_GLU:
-                g = tl.load(arow + cols, mask=cm, other=0.0).to(tl.float32)
-                u = tl.load(arow + inter + cols, mask=cm, other=0.0).to(tl.float32)
-                av = (g * tl.sigmoid(g) * u).to(a_ptr.dtype.element_ty).to(tl.float32)
-            else:
-                av = tl.load(arow + cols, mask=cm, other=0.0).to(tl.float32)
-            wv = tl.load(routed_rows + cols[None, :], mask=routed & cm[None, :], other=0.0).to(tl.float32)
-            if SHARED:
-                wv += tl.load(sd_ptr + rows[:, None] * inter + cols[None, :], mask=shared & cm[None, :],
-                              other=0.0).to(tl.float32)
-            part += tl.sum(wv * av[None, :], axis=1)
-        acc += part * wt
-    tl.store(out_ptr + t * s_om + rows, acc.to(out_ptr.dtype.element_ty), mask=rmask)
+    acc = _gemv_rows(w_ptr, base, s_wr, rows, rmask, a_ptr + p * s_am, inter, SILU_GLU, BN, BK)
+    tl.store(part_ptr + p * s_pm + rows, acc * wt, mask=rmask)
+
+
+@triton.jit
+def _sum_pairs_kernel(part_ptr, s_pm, out_ptr, s_om, N, PAIRS: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t] = Σ_j part[t·PAIRS + j] in order j = 0, 1, ..., cast to out's dtype."""
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < N
+    acc = tl.zeros([BLOCK], tl.float32)
+    for j in tl.static_range(PAIRS):
+        acc += tl.load(part_ptr + (t * PAIRS + j) * s_pm + cols, mask=m, other=0.0)
+    tl.store(out_ptr + t * s_om + cols, acc.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def _offset(t: torch.Tensor, base: torch.Tensor) -> int:
+    """t's start in elements from base's: how the kernels reach the shared weights from w_ptr."""
+    delta = t.data_ptr() - base.data_ptr()
+    assert t.dtype == base.dtype and delta % base.element_size() == 0
+    return delta // base.element_size()
 
 
 def shared_fits(shared, w13: torch.Tensor, w2: torch.Tensor) -> bool:
@@ -108,7 +119,8 @@ def shared_fits(shared, w13: torch.Tensor, w2: torch.Tensor) -> bool:
     inter, d = w13.shape[1] // 2, w13.shape[2]
     return (
         parts[0].shape == parts[1].shape == (inter, d) and parts[2].shape == (d, inter)
-        and all(p.dtype == w13.dtype and p.is_contiguous() for p in parts)
+        and w13.stride(1) == d and w2.stride(1) == inter  # the routed rows' strides serve the shared rows
+        and all(p.dtype == w13.dtype and p.device == w13.device and p.is_contiguous() for p in parts)
     )
 
 
@@ -126,20 +138,25 @@ def experts_forward_gemv(
     assert w13.stride(-1) == 1 and w2.stride(-1) == 1 and x.stride(-1) == 1 and inter % block_n == 0
     pairs = k + (shared is not None)
     ids, weights = ids.contiguous(), weights.contiguous()
-    sg, su, sd = (
-        (shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight) if shared is not None
-        else (w13, w13, w2)  # never read: every shared load is masked off
-    )
+    offs = (0, 0, 0)
+    if shared is not None:
+        offs = (_offset(shared.gate_proj.weight, w13), _offset(shared.up_proj.weight, w13),
+                _offset(shared.down_proj.weight, w2))
     h = torch.empty(t * pairs, 2 * inter, dtype=x.dtype, device=x.device)
     _up_kernel[(t * pairs, triton.cdiv(2 * inter, block_n))](
-        x, x.stride(0), w13, w13.stride(0), w13.stride(1), ids, sg, su, h, h.stride(0), inter, d,
+        x, x.stride(0), w13, w13.stride(0), w13.stride(1), ids, offs[0], offs[1], h, h.stride(0), inter, d,
         K_ROUTED=k, SHARED=shared is not None, BN=block_n, BK=block_k, num_warps=num_warps,
     )
     silu = getattr(act, "kind", None) == "silu"
     a = h if silu else act(h[:, :inter], h[:, inter:]).contiguous()
-    out = torch.empty(t, d, dtype=x.dtype, device=x.device)
-    _down_kernel[(t, triton.cdiv(d, block_n))](
-        a, a.stride(0), w2, w2.stride(0), w2.stride(1), ids, weights, sd, out, out.stride(0), d, inter,
+    part = torch.empty(t * pairs, d, dtype=torch.float32, device=x.device)
+    _down_kernel[(t * pairs, triton.cdiv(d, block_n))](
+        a, a.stride(0), w2, w2.stride(0), w2.stride(1), ids, weights, offs[2], part, part.stride(0), d, inter,
         K_ROUTED=k, SHARED=shared is not None, SILU_GLU=silu, BN=block_n, BK=block_k, num_warps=num_warps,
+    )
+    out = torch.empty(t, d, dtype=x.dtype, device=x.device)
+    block = min(1024, triton.next_power_of_2(d))
+    _sum_pairs_kernel[(t, triton.cdiv(d, block))](
+        part, part.stride(0), out, out.stride(0), d, PAIRS=pairs, BLOCK=block, num_warps=4,
     )
     return out
