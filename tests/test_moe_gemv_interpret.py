@@ -24,11 +24,11 @@ def gemv():
     return importlib.import_module("hyserve.ops.moe_gemv")
 
 
-def _weights(seed: int, act: GLU):
+def _weights(seed: int, act: GLU, inter: int = INTER):
     gen = torch.Generator().manual_seed(seed)
-    w13 = torch.randn(E, 2 * INTER, D, generator=gen) * 0.2
-    w2 = torch.randn(E, D, INTER, generator=gen) * 0.2
-    shared = DenseMLP(D, INTER, act)
+    w13 = torch.randn(E, 2 * inter, D, generator=gen) * 0.2
+    w2 = torch.randn(E, D, inter, generator=gen) * 0.2
+    shared = DenseMLP(D, inter, act)
     for p in shared.parameters():
         p.data = torch.randn(p.shape, generator=gen) * 0.2
     return w13, w2, shared
@@ -59,6 +59,21 @@ def test_shared_expert_rides_as_the_last_pair(gemv, act, t):
     ids, w = _routing(t, t)
     got = gemv.experts_forward_gemv(x, ids, w, w13, w2, act, shared=shared, block_n=16, block_k=16)
     want = experts_forward(x, ids, w, w13, w2, act) + shared(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("inter", [24, 12])
+@pytest.mark.parametrize("with_shared", [False, True], ids=["routed", "shared"])
+def test_an_expert_width_off_the_row_block_still_matches(gemv, inter, with_shared):
+    """Widths that are not a multiple of block_n (tiny checkpoints: 24): the shared expert's gate and up
+    halves must not share a row block."""
+    act = GLU("silu")
+    w13, w2, shared = _weights(20 + inter, act, inter)
+    x = torch.randn(2, D, generator=torch.Generator().manual_seed(inter))
+    ids, w = _routing(2, inter)
+    got = gemv.experts_forward_gemv(x, ids, w, w13, w2, act, shared=shared if with_shared else None,
+                                    block_n=16, block_k=16)
+    want = experts_forward(x, ids, w, w13, w2, act) + (shared(x) if with_shared else 0)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 

@@ -60,7 +60,7 @@ def _up_kernel(
     j = p % pairs
     e = tl.load(ids_ptr + t * K_ROUTED + tl.minimum(j, K_ROUTED - 1)).to(tl.int64)
     base = e * s_we
-    if SHARED:  # inter is a multiple of BN (checked by the caller): a block is all gate or all up rows
+    if SHARED:  # inter is a multiple of BN (the caller sees to it): a block is all gate or all up rows
         shared_base = tl.where(rb * BN < inter, gate_off.to(tl.int64), up_off.to(tl.int64) - inter * s_wr)
         base = tl.where(j == K_ROUTED, shared_base, base)
     rows = rb * BN + tl.arange(0, BN)
@@ -135,17 +135,20 @@ def experts_forward_gemv(
     inter, d = w13.shape[1] // 2, w13.shape[2]
     if t == 0:
         return x.new_zeros(0, d)
-    assert w13.stride(-1) == 1 and w2.stride(-1) == 1 and x.stride(-1) == 1 and inter % block_n == 0
+    assert w13.stride(-1) == 1 and w2.stride(-1) == 1 and x.stride(-1) == 1
     pairs = k + (shared is not None)
+    up_n = block_n
+    while shared is not None and inter % up_n:  # a shared row block must be all gate or all up rows
+        up_n //= 2
     ids, weights = ids.contiguous(), weights.contiguous()
     offs = (0, 0, 0)
     if shared is not None:
         offs = (_offset(shared.gate_proj.weight, w13), _offset(shared.up_proj.weight, w13),
                 _offset(shared.down_proj.weight, w2))
     h = torch.empty(t * pairs, 2 * inter, dtype=x.dtype, device=x.device)
-    _up_kernel[(t * pairs, triton.cdiv(2 * inter, block_n))](
+    _up_kernel[(t * pairs, triton.cdiv(2 * inter, up_n))](
         x, x.stride(0), w13, w13.stride(0), w13.stride(1), ids, offs[0], offs[1], h, h.stride(0), inter, d,
-        K_ROUTED=k, SHARED=shared is not None, BN=block_n, BK=block_k, num_warps=num_warps,
+        K_ROUTED=k, SHARED=shared is not None, BN=up_n, BK=block_k, num_warps=num_warps,
     )
     silu = getattr(act, "kind", None) == "silu"
     a = h if silu else act(h[:, :inter], h[:, inter:]).contiguous()

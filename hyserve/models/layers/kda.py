@@ -13,7 +13,7 @@ from hyserve.models.batch import Batch, CacheTensors
 from hyserve.models.config import ModelConfig
 from hyserve.models.layers.norm import gated_rms_norm, l2_normalize
 from hyserve.ops import kda as kda_ops
-from hyserve.ops.dispatch import fast_path, has_fla
+from hyserve.ops.dispatch import fast_path, has_fla, pow2_dims
 
 
 def _linear(i: int, o: int) -> nn.Linear:
@@ -47,7 +47,9 @@ class KimiDeltaAttention(nn.Module):
         return self.g_b_proj(self.g_a_proj(x))
 
     def forward(self, x: torch.Tensor, batch: Batch, cache: CacheTensors) -> torch.Tensor:
-        if fast_path(x) and (batch.decode_only or has_fla()):
+        # the decode kernel spans a head with one tl.arange; fla's chunk kernels need tl.dot tiles of 16+
+        k = self.head_dim
+        if fast_path(x) and pow2_dims(k) and (batch.decode_only or (has_fla() and k >= 16)):
             from hyserve.models.layers.kda_fast import kda_forward_fast
 
             return kda_forward_fast(self, x, batch, cache)
