@@ -45,7 +45,7 @@ def decode_ms(model, tokenizer, args, n: int, graphs: bool) -> tuple[float, int]
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
     _, phases = timed_batch(llm, prompts, params)
     steps = phases.decode_tokens / n
-    del engine
+    del engine, llm  # the LLM holds the engine, and with it the cache pool
     gc.collect()
     if args.device == "cuda":
         torch.cuda.empty_cache()

@@ -7,6 +7,7 @@ freed block that still holds a cached page stays findable by hash until it is re
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections import OrderedDict
 from collections.abc import Collection
@@ -67,6 +68,10 @@ def plan_cache(
     if cfg.kv_cache_memory_bytes is not None:
         budget = cfg.kv_cache_memory_bytes
     elif model.device.type == "cuda":
+        # an earlier engine of this process may be unreachable but not yet collected (reference cycles),
+        # or its pool may sit in torch's caching allocator, which mem_get_info counts as used
+        gc.collect()
+        torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(model.device)
         total = torch.cuda.get_device_properties(model.device).total_memory
         budget = int(free - (1 - cfg.gpu_memory_utilization) * total)
