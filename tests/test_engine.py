@@ -3,13 +3,17 @@ requests fail alone; stop conditions, logprobs and n behave like vLLM's offline 
 
 from __future__ import annotations
 
+import gc
 import random
+import weakref
 
 import pytest
 import torch
 from conftest import assert_pool_empty
 
-from hyserve import SamplingParams
+from hyserve import LLM, SamplingParams
+from hyserve.config import EngineConfig
+from hyserve.engine.llm_engine import LLMEngine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 LETTERS = {ord(c): 30.0 for c in "abcdefghijklmnopqrstuvwxyz"}  # force plain ASCII text
@@ -279,3 +283,29 @@ def test_ignore_eos_generates_past_eos(make_llm):
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logit_bias={EOS: 100.0})
     comp = make_llm().generate([[1, 2]], params, use_tqdm=False)[0].outputs[0]
     assert (comp.token_ids, comp.finish_reason) == ([EOS] * 6, "length")
+
+
+# ---- lifetime -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, graphs",
+    [({}, None), ({"enable_prefix_caching": False}, None), ({"cpu_offload_bytes": 1 << 24}, None), ({}, True)],
+    ids=["prefix-cache", "no-prefix-cache", "cpu-tier", "graph-buffers"],
+)
+def test_a_dropped_engine_frees_its_cache_pool_without_the_collector(tiny_model, kwargs, graphs):
+    """On a GPU the pool is 90% of memory: `del llm` must give it back at once, so no reference cycle may
+    hold it until the collector happens to run (a kernel or a second engine would run out of memory)."""
+    weights, tok = tiny_model("k3-tiny")
+    cfg = EngineConfig(model="k3-tiny", device="cpu", block_size=16, kv_cache_memory_bytes=32 << 20, **kwargs)
+    gc.collect()
+    gc.disable()
+    try:
+        engine = LLMEngine(cfg, model=weights, tokenizer=tok, cuda_graphs=graphs)
+        llm = LLM.from_engine(engine)
+        llm.generate([[5, 6, 7] * 20, [9, 8]], GREEDY, use_tqdm=False)
+        pool = weakref.ref(engine.kv.tensors)
+        del engine, llm
+        assert pool() is None
+    finally:
+        gc.enable()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import weakref
 from collections import OrderedDict
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -113,7 +114,10 @@ class BlockPool:
         self.block_hash: list[int | None] = [None] * num_blocks
         self.cached: dict[int, int] = {}  # hash -> block id
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
-        self.on_evict = None  # callback(block_id, hash) before a cached block is reused (CPU tier)
+        # a weakref.WeakMethod of callback(block_id, hash), called before a cached block is reused (the
+        # prefix cache's CPU tier). Weak, so the prefix cache and the pool form no reference cycle: a
+        # dropped engine frees its GPU pool at once rather than when the collector next runs
+        self.on_evict: weakref.WeakMethod | None = None
 
     @property
     def num_free(self) -> int:
@@ -133,8 +137,9 @@ class BlockPool:
     def _drop_hash(self, b: int) -> None:
         h = self.block_hash[b]
         if h is not None:
-            if self.on_evict is not None:
-                self.on_evict(b, h)
+            callback = self.on_evict() if self.on_evict is not None else None
+            if callback is not None:
+                callback(b, h)
             if self.cached.get(h) == b:
                 del self.cached[h]
             self.block_hash[b] = None

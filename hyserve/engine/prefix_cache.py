@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import weakref
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -145,7 +146,7 @@ class PrefixCache:
         self.by_base: dict[int, dict[tuple[int, int], Checkpoint]] = {}
         self.seen = _PrefixRecord(max_parents=max(1024, 4 * kv.blocks.num_blocks))
         self.cpu = CpuTier(cfg.cpu_offload_bytes, kv.tensors) if cfg.cpu_offload_bytes > 0 else None
-        kv.blocks.on_evict = self._page_evicted
+        kv.blocks.on_evict = weakref.WeakMethod(self._page_evicted)
         self.clock = 0
         # counters (tokens for queries/hits; hits = prefill tokens actually skipped)
         self.queries = self.hits = self.cpu_hits = 0
