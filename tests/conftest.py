@@ -7,6 +7,7 @@ path (finish, abort, preemption, error) fails the test that caused it.
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -27,6 +28,17 @@ from hyserve.tokenizer import load_tokenizer
 # The tiny presets' matmuls are far too small to gain from intra-op threads, and OpenMP barriers on a
 # busy 2-core CI box made engine tests 10-20x slower (measured: 0.6 s vs 28 s for one batch).
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _give_gpu_memory_back():
+    """GPU tests share one device: an engine takes 90% of its memory for the cache pool, so every test
+    starts from memory given back (a dropped engine's pool, tensors a failed test's traceback held).
+    A tests/gpu/conftest.py would shadow this module for `from conftest import ...`."""
+    yield
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def assert_pool_empty(engine: LLMEngine) -> None:
