@@ -30,6 +30,21 @@ from hyserve.tokenizer import load_tokenizer
 torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _fewer_fla_autotune_configs():
+    """fla-core compiles and times every config of every kernel for each new shape: about four minutes
+    of the GPU tests (about 480 s in all). Two configs each keep the kernels and their results (the
+    tests check values, not speed); HYSERVE_TEST_FULL_AUTOTUNE=1 keeps them all."""
+    if torch.cuda.is_available() and os.environ.get("HYSERVE_TEST_FULL_AUTOTUNE") != "1":
+        import importlib.util
+
+        if importlib.util.find_spec("fla") is not None:
+            from hyserve.train.packed import limit_fla_autotune
+
+            limit_fla_autotune(2)
+    yield
+
+
 @pytest.fixture(autouse=True)
 def _give_gpu_memory_back():
     """GPU tests share one device: an engine takes 90% of its memory for the cache pool, so every test
