@@ -12,6 +12,7 @@ appends it to docs/BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import platform
@@ -27,6 +28,7 @@ from hyserve import LLM, SamplingParams
 from hyserve.config import EngineConfig
 from hyserve.engine.llm_engine import LLMEngine
 from hyserve.models.loader import load_model
+from hyserve.sampling_params import RequestOutputKind
 from hyserve.tokenizer import load_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -101,8 +103,11 @@ def timed_batch(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> t
     engine.scheduler.schedule = traced
     done = {}
     t0 = time.perf_counter()
+    # final outputs only, as LLM.generate asks: a cumulative output per request per step is server work
+    # (about 0.2 ms of host time per step at batch 64, measured on the CPU)
+    final_only = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
     for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
+        engine.add_request(str(i), p, final_only)
     while engine.has_unfinished_requests():
         t = time.perf_counter()
         outs = engine.step()
