@@ -113,7 +113,9 @@ def timed_batch(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> t
         outs = engine.step()
         dt = time.perf_counter() - t
         done.update((o.request_id, o) for o in outs if o.finished)
-        seqs = picked[-1].seqs
+        # with async scheduling a call launches step k and waits for step k-1's tokens: its time is k-1's
+        landed = picked[-2] if engine.cfg.async_scheduling and len(picked) >= 2 else picked[-1]
+        seqs = landed.seqs
         prompt_tokens = sum(min(s.end, s.req.num_prompt_tokens) - s.start for s in seqs if s.start < s.req.num_prompt_tokens)
         if prompt_tokens:
             phases.prefill_tokens += prompt_tokens

@@ -47,6 +47,8 @@ class EngineConfig:
     cpu_offload_bytes: int = 0
     # execution
     enforce_eager: bool = False
+    # launch step k+1 before reading back step k's tokens (vLLM's --async-scheduling); off by default
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.prefix_cache_retention_interval is None:

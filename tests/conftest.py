@@ -81,15 +81,16 @@ def tiny_model():
 
 @pytest.fixture
 def make_engine(tiny_model):
-    """`make_engine(model="k3-tiny", **EngineConfig fields)`; block_size 16 and a 32 MiB pool by default."""
+    """`make_engine(model="k3-tiny", cuda_graphs=None, **EngineConfig fields)`; block_size 16 and a 32 MiB
+    pool by default (cuda_graphs=True runs decode steps through the graphs' static buffers on the CPU)."""
     engines: list[LLMEngine] = []
 
-    def make(model: str = "k3-tiny", **kwargs) -> LLMEngine:
+    def make(model: str = "k3-tiny", cuda_graphs: bool | None = None, **kwargs) -> LLMEngine:
         kwargs.setdefault("block_size", 16)
         kwargs.setdefault("device", "cpu")
         kwargs.setdefault("kv_cache_memory_bytes", 32 << 20)  # the 1 GiB CPU default is slow to build
         weights, tok = tiny_model(model)
-        engine = LLMEngine(EngineConfig(model=model, **kwargs), model=weights, tokenizer=tok)
+        engine = LLMEngine(EngineConfig(model=model, **kwargs), model=weights, tokenizer=tok, cuda_graphs=cuda_graphs)
         engines.append(engine)
         return engine
 
@@ -102,7 +103,7 @@ def make_engine(tiny_model):
 def make_llm(make_engine):
     """Like `make_engine`, wrapped in the offline `LLM` API."""
 
-    def make(model: str = "k3-tiny", **kwargs) -> LLM:
-        return LLM.from_engine(make_engine(model, **kwargs))
+    def make(model: str = "k3-tiny", cuda_graphs: bool | None = None, **kwargs) -> LLM:
+        return LLM.from_engine(make_engine(model, cuda_graphs, **kwargs))
 
     return make

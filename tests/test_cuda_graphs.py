@@ -96,7 +96,8 @@ class CompareSteps:
         ids = torch.tensor([s.req.all_token_ids[s.start] for s in seqs] + [0] * pad)
         return model.compute_logits(model(ids, batch, kv.tensors))[: len(seqs)]
 
-    def __call__(self, out):
+    def __call__(self, out, pending=None):
+        assert pending is None  # these engines schedule synchronously
         try:
             return self._compare(out)
         except BaseException as e:

@@ -116,7 +116,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(make_eng
     engine = make_engine()
     real = engine.runner.execute
 
-    def broken(out):
+    def broken(out, pending=None):
         raise RuntimeError("kernel exploded")
 
     monkeypatch.setattr(engine.runner, "execute", broken)

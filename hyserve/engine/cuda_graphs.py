@@ -67,8 +67,11 @@ class DecodeGraphs:
     def run(
         self, token_ids: list[int], context_lens: list[int], block_tables: list[list[int]],
         state_slots: list[int], fresh_state: list[bool],
+        device_tokens: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Decode one token for each row; returns logits [n, V], a view valid until the next call."""
+        """Decode one token for each row; returns logits [n, V], a view valid until the next call.
+        `device_tokens` (rows, ids), both on the device: those rows' token ids are still there (sampled
+        by the step before, async scheduling) and replace the placeholders in token_ids."""
         n, bs = len(token_ids), self.kv.block_size
         width = max(map(len, block_tables))
         size = self.size_for(n, width)
@@ -77,11 +80,14 @@ class DecodeGraphs:
         ctx = context_lens + [1] * pad
         pos = [c - 1 for c in ctx]
         slot_map = [t[p // bs] * bs + p % bs for t, p in zip(block_tables, pos)] + [self.kv.scratch_block * bs] * pad
+        # non-blocking: a blocking copy would wait for the step still running (async scheduling)
         self.meta[:, :size].copy_(torch.tensor(
             [token_ids + [0] * pad, pos, ctx, slot_map, state_slots + [self.kv.scratch_slot] * pad]
-        ))
-        self.fresh[:size].copy_(torch.tensor(fresh_state + [True] * pad))
-        self.block_tables[:size, :width].copy_(self._host_tables(block_tables, size, width))
+        ), non_blocking=True)
+        if device_tokens is not None:
+            self.meta[_IDS].index_copy_(0, *device_tokens)
+        self.fresh[:size].copy_(torch.tensor(fresh_state + [True] * pad), non_blocking=True)
+        self.block_tables[:size, :width].copy_(self._host_tables(block_tables, size, width), non_blocking=True)
         self.block_tables[:size, width:].fill_(-1)  # what a shorter table of an earlier step left behind
         graph = self.graphs.get(size)
         if graph is not None:

@@ -13,9 +13,15 @@ import torch
 from hyserve.config import EngineConfig
 from hyserve.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from hyserve.engine.kv_cache import KVCacheManager, plan_cache
-from hyserve.engine.model_runner import ModelRunner
+from hyserve.engine.model_runner import ModelRunner, PendingTokens
 from hyserve.engine.request import Request, RequestStatus
-from hyserve.engine.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs, logprob_dicts
+from hyserve.engine.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingMetadata,
+    compute_prompt_logprobs,
+    logprob_dicts,
+)
 from hyserve.engine.scheduler import Scheduler, SchedulerOutput
 from hyserve.models.loader import load_model, resolve_dtype
 from hyserve.outputs import CompletionOutput, Logprob, RequestOutput
@@ -33,6 +39,21 @@ class _Parent:
     prompt: str | None
     prompt_token_ids: list[int]
     children: list[Request] = field(default_factory=list)
+
+
+@dataclass
+class _Launched:
+    """A step whose forward and sampling are queued on the device; its tokens are not read back yet."""
+
+    out: SchedulerOutput
+    reqs: list[Request]  # the requests that sample, in the sampler's row order
+    result: SamplerOutput | None  # None when no sequence samples (prefill chunks only)
+    now: float
+
+
+def _needs_host_tokens(req: Request) -> bool:
+    """Whether the request's next sampling needs its previous token on the host."""
+    return req.params.has_penalties or req.params.structured is not None
 
 
 @dataclass
@@ -89,6 +110,8 @@ class LLMEngine:
         self.parents: dict[str, _Parent] = {}
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
+        self._in_flight: _Launched | None = None  # async scheduling: the step whose tokens are on the device
+        self._stashed: list[RequestOutput] = []  # outputs of a step read back early (an abort)
 
     def _make_prefix_cache(self):
         if not self.cfg.enable_prefix_caching:
@@ -167,32 +190,82 @@ class LLMEngine:
         raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
 
     def abort_request(self, request_id: str) -> None:
-        parent = self.parents.pop(request_id, None)
+        parent = self.parents.get(request_id)
         if parent is None:
             return
+        if self._in_flight is not None and any(c.num_pending for c in parent.children):
+            self._drain()  # the prefix cache registers a request's blocks by their token ids when it ends
+            self._stashed = [o for o in self._stashed if o.request_id != request_id]
+        self.parents.pop(request_id, None)
         for child in parent.children:
             if not child.is_finished:
                 self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.parents)
+        return bool(self.parents or self._stashed)
 
     # ---- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.cfg.async_scheduling:
+            return self._step_async()
         out = self.scheduler.schedule()
         if not out.seqs:
             return self._unschedulable()
         touched = {s.req for s in out.seqs}
         try:
-            self._run_step(out)
+            self._land(self._launch(out, None))
+            if self.prefix_cache is not None:
+                self.prefix_cache.after_step(out)
         except Exception as e:  # a bug or bad state in one step must not take the engine down
             return self._fail_step(touched, e)
         return self._outputs(touched)
 
-    def _run_step(self, out: SchedulerOutput) -> None:
+    def _step_async(self) -> list[RequestOutput]:
+        """Launch step k+1 before reading back step k's tokens, so scheduling, input preparation and
+        output processing on the host overlap the forward on the GPU (vLLM's async scheduling). Step
+        k+1 reads step k's tokens on the device. A request that step k finishes has one more token
+        computed in step k+1, which is dropped. Requests whose next sampling needs the previous token
+        on the host (penalties, structured outputs) make that step wait for it."""
+        prev, self._in_flight = self._in_flight, None
+        outputs, self._stashed = self._stashed, []
+        if prev is not None and any(_needs_host_tokens(r) for r in prev.reqs):
+            outputs += self._finish(prev)
+            prev = None
+        out = self.scheduler.schedule()
+        if not out.seqs:
+            return outputs + (self._finish(prev) if prev is not None else self._unschedulable())
+        touched = {s.req for s in out.seqs}
+        try:
+            launched = self._launch(out, prev)
+        except Exception as e:
+            if prev is not None:
+                outputs += self._finish(prev)
+            return outputs + self._fail_step(touched, e)
+        if prev is not None:
+            outputs += self._finish(prev)
+        try:
+            # queued behind this step's forward and before the next one's, with every computed id known
+            if self.prefix_cache is not None:
+                self.prefix_cache.after_step(out)
+        except Exception as e:
+            return outputs + self._fail_step(touched, e)
+        self._in_flight = launched
+        return outputs
+
+    def _drain(self) -> None:
+        """Read back the step in flight now; its outputs go out with the next step's."""
+        flight, self._in_flight = self._in_flight, None
+        if flight is not None:
+            self._stashed += self._finish(flight)
+
+    def _launch(self, out: SchedulerOutput, prev: _Launched | None) -> _Launched:
+        """Run the forward and the sampler for `out` without reading anything back."""
         if self.prefix_cache is not None:
             self.prefix_cache.before_step(out)  # queued cache copies land before the forward reads them
-        logits = self.runner.execute(out)
+        pending = None
+        if prev is not None and prev.result is not None:
+            pending = PendingTokens(prev.result.token_ids, {r: j for j, r in enumerate(prev.reqs)})
+        logits = self.runner.execute(out, pending)
         now = time.time()
         for s in out.seqs:
             s.req.num_computed_tokens = s.end
@@ -204,11 +277,20 @@ class LLMEngine:
                 self.stats.prompt_tokens_cached += s.req.num_cached_tokens
                 self.stats.prompt_tokens_external += s.req.extra.get("external_cached_tokens", 0)
         self._prompt_logprobs(out, logits.prompt_logits)
-        if logits.sample_rows:
-            self._sample(out, logits.sample_rows, logits.logits, now)
-        if self.prefix_cache is not None:
-            self.prefix_cache.after_step(out)
+        reqs = [out.seqs[i].req for i in logits.sample_rows]
+        result = self._sample_on_device(reqs, logits.logits) if reqs else None
+        for r in reqs:
+            r.num_pending += 1
         self.stats.last_step_tokens = out.num_tokens
+        return _Launched(out, reqs, result, now)
+
+    def _finish(self, flight: _Launched) -> list[RequestOutput]:
+        touched = {s.req for s in flight.out.seqs}
+        try:
+            self._land(flight)
+        except Exception as e:
+            return self._fail_step(touched, e)
+        return self._outputs(touched)
 
     def _fail_step(self, touched: set[Request], error: Exception) -> list[RequestOutput]:
         """Fail the step's requests and free their resources; the other requests go on."""
@@ -251,14 +333,23 @@ class LLMEngine:
             )
             req.prompt_logprobs.extend(self._decode_logprobs(rows))
 
-    def _sample(self, out: SchedulerOutput, rows: list[int], logits: torch.Tensor, now: float) -> None:
-        reqs = [out.seqs[i].req for i in rows]
+    def _sample_on_device(self, reqs: list[Request], logits: torch.Tensor) -> SamplerOutput:
+        # min_tokens counts outputs; a token still in flight is one (penalties never run with one)
+        outputs = [r.output_token_ids + [-1] * r.num_pending if r.num_pending and r.params.min_tokens
+                   else r.output_token_ids for r in reqs]
         meta = SamplingMetadata.build(
-            [r.params for r in reqs], [r.output_token_ids for r in reqs], [r.prompt_token_ids for r in reqs],
+            [r.params for r in reqs], outputs, [r.prompt_token_ids for r in reqs],
             [r.generator for r in reqs], self.device, self.eos_token_ids, self.model_config.vocab_size,
         )
-        mask = self._allowed_mask(reqs, logits)
-        res = self.sampler(logits, meta, mask)
+        return self.sampler(logits, meta, self._allowed_mask(reqs, logits))
+
+    def _land(self, flight: _Launched) -> None:
+        """Read the sampled tokens back and apply them: outputs, logprobs, detokenizing, stop checks."""
+        res, reqs, now = flight.result, flight.reqs, flight.now
+        if res is None:
+            return
+        for r in reqs:
+            r.num_pending -= 1
         tokens, lps, ranks = res.token_ids.tolist(), res.logprobs.tolist(), res.ranks.tolist()
         top_ids = res.top_token_ids.tolist() if res.top_token_ids is not None else None
         top_lps = res.top_logprobs.tolist() if res.top_logprobs is not None else None
@@ -310,7 +401,7 @@ class LLMEngine:
             status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tok
         elif p.stop and len(req.output_token_ids) >= p.min_tokens and self._stop_string(req):
             status = RequestStatus.FINISHED_STOPPED
-        elif len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
+        elif len(req.output_token_ids) >= req.max_tokens or req.num_known_tokens >= self.max_model_len:
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
             if not isinstance(req.stop_reason, str):  # a stop string already cut the text

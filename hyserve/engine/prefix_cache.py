@@ -233,6 +233,8 @@ class PrefixCache:
             rc = req.extra.get(_EXTRA_KEY)
             if rc is None or req.state_slot is None or req.is_finished:
                 continue  # finished ones were handled in on_finish
+            if req.num_known_tokens < req.num_computed_tokens:
+                continue  # async scheduling: a computed token's id is still on the device
             p = req.num_computed_tokens
             want = self._wants(rc, p)
             if want or p // self.bs > rc.registered:
@@ -247,6 +249,8 @@ class PrefixCache:
         rc = req.extra.pop(_EXTRA_KEY, None)
         if rc is None or req.state_slot is None or req.fresh_state:
             return
+        if req.num_known_tokens < req.num_computed_tokens:
+            return  # preempted or aborted with a token in flight: the blocks' last ids are not known yet
         p, tokens = req.num_computed_tokens, req.all_token_ids
         self._register(req, rc, tokens)
         if p > 0 and (self.end_of_generation or self._wants(rc, p)):

@@ -39,6 +39,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # tokens sampled on the device but not yet read back (async scheduling: at most one per launched step)
+    num_pending: int = 0
     block_ids: list[int] = field(default_factory=list)
     state_slot: int | None = None
     fresh_state: bool = True  # the next forward starts from a zero KDA state
@@ -66,10 +68,17 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens of the sequence, pending ones included: what the scheduler plans with."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids the host has: what stop checks and the prefix cache's hashes use."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:
+        """The known token ids (pending ones are still on the device)."""
         return self.prompt_token_ids + self.output_token_ids
 
     @property

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from hyserve.models.batch import to_device
 from hyserve.outputs import Logprob
 from hyserve.sampling_params import SamplingParams, SamplingType
 
@@ -33,7 +34,7 @@ def seeded_generator(seed: int, device: torch.device | str) -> torch.Generator:
 def _padded(rows: Sequence[Sequence[int]], device: torch.device | str) -> Tensor:
     width = max(1, max((len(r) for r in rows), default=0))
     data = [list(r) + [_PAD] * (width - len(r)) for r in rows]
-    return torch.tensor(data, dtype=torch.long, device=device)
+    return to_device(data, torch.long, device)
 
 
 def _scatter_index(token_ids: Tensor, vocab_size: int) -> Tensor:
@@ -106,7 +107,7 @@ class SamplingMetadata:
         def tensor_if(values: list, off, dtype: torch.dtype) -> Tensor | None:
             if all(v == off for v in values):
                 return None
-            return torch.tensor(values, dtype=dtype, device=device)
+            return to_device(values, dtype, device)
 
         penalised = any(p.has_penalties for p in params)
         repetition = any(p.repetition_penalty != 1.0 for p in params)
@@ -135,33 +136,33 @@ class SamplingMetadata:
                 row_generators[i] = g
 
         def long_or_none(values: list[int]) -> Tensor | None:
-            return torch.tensor(values, dtype=torch.long, device=device) if values else None
+            return to_device(values, torch.long, device) if values else None
 
         sampled_k = [p.top_k for p, g in zip(params, greedy) if not g]
         logprob_counts = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
-            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
-            is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            temperature=to_device(temperature, torch.float32, device),
+            is_greedy=to_device(greedy, torch.bool, device),
             all_greedy=all(greedy),
             top_k=tensor_if([p.top_k for p in params], 0, torch.long),
             max_top_k=max(sampled_k) if sampled_k and all(sampled_k) else None,
             top_p=tensor_if([p.top_p for p in params], 1.0, torch.float32),
             min_p=tensor_if([p.min_p for p in params], 0.0, torch.float32),
             presence_penalty=(
-                torch.tensor([p.presence_penalty for p in params], device=device) if penalised else None
+                to_device([p.presence_penalty for p in params], torch.float32, device) if penalised else None
             ),
             frequency_penalty=(
-                torch.tensor([p.frequency_penalty for p in params], device=device) if penalised else None
+                to_device([p.frequency_penalty for p in params], torch.float32, device) if penalised else None
             ),
             repetition_penalty=(
-                torch.tensor([p.repetition_penalty for p in params], device=device) if penalised else None
+                to_device([p.repetition_penalty for p in params], torch.float32, device) if penalised else None
             ),
             output_token_ids=_padded(output_token_ids, device) if penalised else None,
             prompt_token_ids=_padded(prompt_token_ids, device) if repetition else None,
             bias_rows=long_or_none(bias_rows),
             bias_token_ids=long_or_none(bias_ids),
             bias_values=(
-                torch.tensor(bias_values, dtype=torch.float32, device=device) if bias_values else None
+                to_device(bias_values, torch.float32, device) if bias_values else None
             ),
             masked_rows=long_or_none(masked_rows),
             masked_token_ids=long_or_none(masked_ids),

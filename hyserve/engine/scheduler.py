@@ -80,6 +80,8 @@ class Scheduler:
                 break
             if req not in self.running:  # preempted earlier in this loop
                 continue
+            if len(req.output_token_ids) + req.num_pending >= req.max_tokens:
+                continue  # async scheduling: its last token is still on the device; it ends when that lands
             n = self._chunk(req, budget)
             while not self._allocate(req, req.num_computed_tokens + n):
                 victim = self._victim()
@@ -94,6 +96,8 @@ class Scheduler:
             return out  # memory is short: admit nothing new this step
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self._next_waiting()
+            if req.num_pending:  # preempted with a token in flight: its prefill needs that token's id
+                break
             if not self.kv.allocate_slot(req):
                 break
             if req.num_computed_tokens == 0 and self.prefix_cache is not None:

@@ -13,6 +13,13 @@ from dataclasses import dataclass
 import torch
 
 
+def to_device(values, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """torch.tensor(values) on device without a stream sync. torch.tensor(..., device="cuda") copies
+    blocking, which waits for every queued kernel: the host could not prepare step k+1 while the GPU
+    runs step k (async scheduling). A non-blocking copy from pageable memory is staged at once."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 @dataclass
 class CacheTensors:
     """The two pools. `pages[b, l]` is block b's page of full-attention layer l ([block_size, row]);
@@ -91,10 +98,10 @@ class Batch:
         return cls(
             query_lens=list(query_lens),
             context_lens=list(context_lens),
-            cu_seqlens=cu.to(dev),
-            positions=positions.to(dev),
-            block_tables=bt.to(dev),
-            slot_mapping=slot_mapping.to(dev),
-            state_slots=torch.tensor(state_slots, dtype=torch.long, device=dev),
-            fresh_state=torch.tensor(fresh_state, dtype=torch.bool, device=dev),
+            cu_seqlens=cu.to(dev, non_blocking=True),
+            positions=positions.to(dev, non_blocking=True),
+            block_tables=bt.to(dev, non_blocking=True),
+            slot_mapping=slot_mapping.to(dev, non_blocking=True),
+            state_slots=to_device(state_slots, torch.long, dev),
+            fresh_state=to_device(fresh_state, torch.bool, dev),
         )
