@@ -42,6 +42,7 @@ from hyserve.engine.cache_costs import prefill_cost
 from hyserve.engine.kv_cache import KVCacheManager
 from hyserve.engine.offload import CpuCheckpoint, CpuTier
 from hyserve.engine.request import Request
+from hyserve.models.batch import to_device
 from hyserve.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -490,8 +491,8 @@ class PrefixCache:
             if tails:
                 self.kv.blocks.free(tails)
         if self._snap:
-            src = torch.tensor([s for s, _ in self._snap], device=dev)
-            dst = torch.tensor([d for _, d in self._snap], device=dev)
+            src = to_device([s for s, _ in self._snap], torch.long, dev)  # no stream sync (async scheduling)
+            dst = to_device([d for _, d in self._snap], torch.long, dev)
             t.conv.index_copy_(0, dst, t.conv.index_select(0, src))
             t.recurrent.index_copy_(0, dst, t.recurrent.index_select(0, src))
             self._snap.clear()

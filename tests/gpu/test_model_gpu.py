@@ -112,3 +112,16 @@ def test_an_engine_after_a_dropped_one_gets_the_same_pool():
         blocks.append(llm.engine.cache_plan.num_blocks)
         llm = None  # dropped, with no gc.collect or empty_cache here: the next engine must see the memory
     assert blocks[1] >= 0.95 * blocks[0], blocks
+
+
+@pytest.mark.parametrize("model", ["kimi-linear-tiny", "k3.1-tiny"])
+def test_async_scheduling_on_cuda_gives_the_synchronous_outputs(model):
+    """With graphs replayed and tokens taken on the device, the outputs of synchronous scheduling."""
+    prompts = [[5, 17, 99, 3], list(range(40, 140)), [7]]
+    params = [SamplingParams(temperature=0.0, max_tokens=n) for n in (32, 5, 17)]
+    outs = {}
+    for mode in (False, True):
+        llm = LLM(model=model, device="cuda", async_scheduling=mode)
+        outs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        llm = None
+    assert outs[True] == outs[False]
