@@ -5,7 +5,8 @@ kimi-linear-48b-a3b preset (random bf16 weights), eager and with CUDA graphs, at
     python benchmarks/gpu_decode_profile.py --batches 1 --no-append
     python benchmarks/gpu_decode_profile.py --batches 64 --trace /tmp/traces   # plus Chrome traces
 
-Prints, per (batch, mode), the host time per profiled step, the summed GPU kernel time per step and the
+Modes: eager, graphs (CUDA graphs), async (graphs + async scheduling). Prints, per (batch, mode), the host
+time per profiled step, the summed GPU kernel time per step and the
 largest kernels by GPU time: the per-kernel breakdown behind benchmarks/gpu_engine_decode.py's numbers.
 """
 
@@ -28,9 +29,10 @@ from hyserve.tokenizer import load_tokenizer
 PROMPT, STEPS = 512, 10
 
 
-def profile_steps(model, tokenizer, n: int, graphs: bool, top: int, trace: str | None = None) -> str:
+def profile_steps(model, tokenizer, n: int, mode: str, top: int, trace: str | None = None) -> str:
+    graphs = mode != "eager"
     cfg = EngineConfig(model="kimi-linear-48b-a3b", device="cuda", max_num_seqs=max(n, 1), max_model_len=1024,
-                       enforce_eager=not graphs, enable_prefix_caching=False)
+                       enforce_eager=not graphs, enable_prefix_caching=False, async_scheduling=mode == "async")
     engine = LLMEngine(cfg, model=model, tokenizer=tokenizer, cuda_graphs=graphs)
     gen = torch.Generator().manual_seed(n)
     for i in range(n):
@@ -47,7 +49,7 @@ def profile_steps(model, tokenizer, n: int, graphs: bool, top: int, trace: str |
         host = (time.perf_counter() - t) / STEPS * 1e3
     if trace:  # the timeline shows where the GPU sits idle between a step's kernels and the next step's
         os.makedirs(trace, exist_ok=True)
-        prof.export_chrome_trace(os.path.join(trace, f"decode_b{n}_{'graphs' if graphs else 'eager'}.json"))
+        prof.export_chrome_trace(os.path.join(trace, f"decode_b{n}_{mode}.json"))
     while engine.has_unfinished_requests():
         engine.step()
     del engine
@@ -56,12 +58,13 @@ def profile_steps(model, tokenizer, n: int, graphs: bool, top: int, trace: str |
     gpu = sum(e.self_device_time_total for e in kernels) / STEPS / 1e3
     largest = sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]
     names = "; ".join(f"{e.key[:48]} x{e.count // STEPS} {e.self_device_time_total / STEPS / 1e3:.2f}" for e in largest)
-    return f"| {n} | {'graphs' if graphs else 'eager'} | {host:.2f} | {gpu:.2f} | {names} |"
+    return f"| {n} | {mode} | {host:.2f} | {gpu:.2f} | {names} |"
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batches", default="1,64")
+    p.add_argument("--modes", default="eager,graphs", help="of eager, graphs, async (graphs + async scheduling)")
     p.add_argument("--top", type=int, default=8, help="kernels listed per row")
     p.add_argument("--trace", default=None, help="directory for a Chrome trace of each profiled run")
     p.add_argument("--no-append", action="store_true", help="print only; leave docs/BENCHMARKS.md alone")
@@ -71,8 +74,8 @@ def main(argv: list[str] | None = None) -> None:
     table = ["| batch | mode | host ms/step (profiled) | GPU kernel ms/step | largest kernels: name x calls/step ms/step |",
              "|---|---|---|---|---|"]
     for n in (int(b) for b in args.batches.split(",")):
-        for graphs in (False, True):
-            table.append(profile_steps(model, tokenizer, n, graphs, args.top, args.trace))
+        for mode in args.modes.split(","):
+            table.append(profile_steps(model, tokenizer, n, mode, args.top, args.trace))
             print(table[-1], flush=True)
     notes = [f"{STEPS} decode-only steps after {PROMPT}-token prompts, prefix caching off; the profiler adds host time."]
     if args.no_append:

@@ -46,7 +46,7 @@ def test_routed_experts_match_the_reference(gemv, act, t):
     w13, w2, _ = _weights(t, act)
     x = torch.randn(t, D, generator=torch.Generator().manual_seed(t))
     ids, w = _routing(t, t)
-    got = gemv.experts_forward_gemv(x, ids, w, w13, w2, act, block_n=16, block_k=16)
+    got = gemv.experts_forward_gemv(x, ids, w, w13, w2, act, up=(16, 16, 4, 1), down=(16, 16, 4, 1))
     torch.testing.assert_close(got, experts_forward(x, ids, w, w13, w2, act), rtol=1e-5, atol=1e-5)
 
 
@@ -57,7 +57,7 @@ def test_shared_expert_rides_as_the_last_pair(gemv, act, t):
     assert gemv.shared_fits(shared, w13, w2)
     x = torch.randn(t, D, generator=torch.Generator().manual_seed(t))
     ids, w = _routing(t, t)
-    got = gemv.experts_forward_gemv(x, ids, w, w13, w2, act, shared=shared, block_n=16, block_k=16)
+    got = gemv.experts_forward_gemv(x, ids, w, w13, w2, act, shared=shared, up=(16, 16, 4, 1), down=(16, 16, 4, 1))
     want = experts_forward(x, ids, w, w13, w2, act) + shared(x)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -72,7 +72,7 @@ def test_an_expert_width_off_the_row_block_still_matches(gemv, inter, with_share
     x = torch.randn(2, D, generator=torch.Generator().manual_seed(inter))
     ids, w = _routing(2, inter)
     got = gemv.experts_forward_gemv(x, ids, w, w13, w2, act, shared=shared if with_shared else None,
-                                    block_n=16, block_k=16)
+                                    up=(16, 16, 4, 1), down=(16, 16, 4, 1))
     want = experts_forward(x, ids, w, w13, w2, act) + (shared(x) if with_shared else 0)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -84,7 +84,7 @@ def test_bf16_activation_is_rounded_as_the_torch_glu_rounds_it(gemv):
                        for z in _weights(7, act))
     x = torch.randn(2, D, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
     ids, w = _routing(2, 7)
-    got = gemv.experts_forward_gemv(x, ids, w, w13, w2, act, shared=shared, block_n=16, block_k=16).float()
+    got = gemv.experts_forward_gemv(x, ids, w, w13, w2, act, shared=shared, up=(16, 16, 4, 1), down=(16, 16, 4, 1)).float()
     want = experts_forward(x.float(), ids, w, w13.float(), w2.float(), act) + shared.float()(x.float())
     assert (got - want).abs().max() <= 2e-2 * want.abs().max()
 
@@ -97,5 +97,5 @@ def test_a_shared_expert_of_another_width_does_not_fit(gemv):
 def test_no_tokens_give_no_rows(gemv):
     w13, w2, shared = _weights(0, GLU("silu"))
     got = gemv.experts_forward_gemv(torch.zeros(0, D), torch.zeros(0, K, dtype=torch.long), torch.zeros(0, K),
-                                    w13, w2, GLU("silu"), shared=shared, block_n=16, block_k=16)
+                                    w13, w2, GLU("silu"), shared=shared, up=(16, 16, 4, 1), down=(16, 16, 4, 1))
     assert got.shape == (0, D)

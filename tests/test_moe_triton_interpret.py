@@ -16,6 +16,7 @@ from hyserve.ops.moe import experts_forward
 pytestmark = INTERPRETED
 
 E, D, INTER, K = 6, 40, 24, 2
+SMALL = (16, 16, 4, 1)  # (BLOCK_N, BLOCK_K, warps, stages): 40 and 24 are not multiples, so the masked loads run
 
 
 @pytest.fixture(scope="module")
@@ -23,11 +24,11 @@ def moe_triton():
     return importlib.import_module("hyserve.ops.moe_triton")
 
 
-def _case(t: int, seed: int, skewed: bool = False):
+def _case(t: int, seed: int, skewed: bool = False, d: int = D, inter: int = INTER):
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(t, D, generator=gen)
-    w13 = torch.randn(E, 2 * INTER, D, generator=gen) * 0.2
-    w2 = torch.randn(E, D, INTER, generator=gen) * 0.2
+    x = torch.randn(t, d, generator=gen)
+    w13 = torch.randn(E, 2 * inter, d, generator=gen) * 0.2
+    w2 = torch.randn(E, d, inter, generator=gen) * 0.2
     if skewed:  # most pairs on expert 4, none on some experts: runs of several tiles and empty runs
         ids = torch.stack([torch.tensor([4, int(torch.randint(0, 2, (), generator=gen))]) for _ in range(t)])
     else:
@@ -39,14 +40,14 @@ def _case(t: int, seed: int, skewed: bool = False):
 @pytest.mark.parametrize("t", [1, 5, 37])
 def test_grouped_experts_match_the_reference(moe_triton, act, t):
     x, ids, w, w13, w2 = _case(t, t)
-    got = moe_triton.experts_forward_triton(x, ids, w, w13, w2, act, block_m=16, block_n=16, block_k=16)
+    got = moe_triton.experts_forward_triton(x, ids, w, w13, w2, act, block_m=16, up=SMALL, down=SMALL)
     torch.testing.assert_close(got, experts_forward(x, ids, w, w13, w2, act), rtol=1e-5, atol=1e-5)
 
 
 def test_an_expert_with_several_tiles_and_experts_with_none(moe_triton):
     x, ids, w, w13, w2 = _case(40, 3, skewed=True)
     act = GLU("silu")
-    got = moe_triton.experts_forward_triton(x, ids, w, w13, w2, act, block_m=16, block_n=16, block_k=16)
+    got = moe_triton.experts_forward_triton(x, ids, w, w13, w2, act, block_m=16, up=SMALL, down=SMALL)
     torch.testing.assert_close(got, experts_forward(x, ids, w, w13, w2, act), rtol=1e-5, atol=1e-5)
 
 
@@ -61,3 +62,29 @@ def test_tiles_hold_one_expert_each_and_every_pair_once(moe_triton):
         pairs = pair_of_slot[2 * tile : 2 * tile + 2]
         pairs = pairs[pairs < flat.numel()]
         assert (flat[pairs] == tile_expert[tile]).all()
+
+
+def test_whole_weight_tiles_take_the_unmasked_loads_and_match(moe_triton):
+    x, ids, w, w13, w2 = _case(9, 4, d=64, inter=32)
+    act = GLU("silu")
+    got = moe_triton.experts_forward_triton(x, ids, w, w13, w2, act, block_m=16, up=(32, 16, 4, 1), down=(16, 32, 4, 1))
+    torch.testing.assert_close(got, experts_forward(x, ids, w, w13, w2, act), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("skewed", [False, True], ids=["spread", "skewed"])
+@pytest.mark.parametrize("bm", [2, 16])
+def test_the_one_launch_layout_gives_each_expert_its_pairs_in_whole_tiles(moe_triton, skewed, bm):
+    _, ids, *_ = _case(37, 5, skewed=skewed)
+    flat = ids.reshape(-1)
+    n = flat.numel()
+    pair_of_slot, tile_expert, used = moe_triton.expert_tiles_triton(ids, E, bm)
+    counts = torch.bincount(flat, minlength=E)
+    assert int(used) == int(((counts + bm - 1) // bm * bm).sum())
+    assert int(used) <= pair_of_slot.numel()
+    slots = pair_of_slot[: int(used)].long()
+    assert sorted(slots[slots < n].tolist()) == list(range(n))  # every pair once
+    assert (slots[slots >= n] == n).all()  # the rest is padding
+    for tile in range(int(used) // bm):
+        pairs = slots[tile * bm : (tile + 1) * bm]
+        pairs = pairs[pairs < n]
+        assert len(pairs) > 0 and (flat[pairs] == tile_expert[tile]).all()

@@ -22,7 +22,7 @@ import time
 import torch
 
 from hyserve.engine.kv_cache import KVCacheManager
-from hyserve.models.batch import Batch
+from hyserve.models.batch import Batch, staged
 from hyserve.models.kimi import KimiForCausalLM
 
 log = logging.getLogger(__name__)
@@ -81,13 +81,15 @@ class DecodeGraphs:
         pos = [c - 1 for c in ctx]
         slot_map = [t[p // bs] * bs + p % bs for t, p in zip(block_tables, pos)] + [self.kv.scratch_block * bs] * pad
         # non-blocking: a blocking copy would wait for the step still running (async scheduling)
-        self.meta[:, :size].copy_(torch.tensor(
+        dev = self.meta.device
+        self.meta[:, :size].copy_(staged(torch.tensor(
             [token_ids + [0] * pad, pos, ctx, slot_map, state_slots + [self.kv.scratch_slot] * pad]
-        ), non_blocking=True)
+        ), dev), non_blocking=True)
         if device_tokens is not None:
             self.meta[_IDS].index_copy_(0, *device_tokens)
-        self.fresh[:size].copy_(torch.tensor(fresh_state + [True] * pad), non_blocking=True)
-        self.block_tables[:size, :width].copy_(self._host_tables(block_tables, size, width), non_blocking=True)
+        self.fresh[:size].copy_(staged(torch.tensor(fresh_state + [True] * pad), dev), non_blocking=True)
+        self.block_tables[:size, :width].copy_(staged(self._host_tables(block_tables, size, width), dev),
+                                               non_blocking=True)
         self.block_tables[:size, width:].fill_(-1)  # what a shorter table of an earlier step left behind
         graph = self.graphs.get(size)
         if graph is not None:

@@ -14,6 +14,7 @@ from hyserve.config import EngineConfig
 from hyserve.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from hyserve.engine.kv_cache import KVCacheManager, plan_cache
 from hyserve.engine.model_runner import ModelRunner, PendingTokens
+from hyserve.engine.readback import Readback
 from hyserve.engine.request import Request, RequestStatus
 from hyserve.engine.sampler import (
     Sampler,
@@ -49,6 +50,7 @@ class _Launched:
     reqs: list[Request]  # the requests that sample, in the sampler's row order
     result: SamplerOutput | None  # None when no sequence samples (prefill chunks only)
     now: float
+    readback: Readback | None = None  # the result's host copies, queued behind the sampler
 
 
 def _needs_host_tokens(req: Request) -> bool:
@@ -282,7 +284,11 @@ class LLMEngine:
         for r in reqs:
             r.num_pending += 1
         self.stats.last_step_tokens = out.num_tokens
-        return _Launched(out, reqs, result, now)
+        readback = None
+        if result is not None:
+            readback = Readback({"tokens": result.token_ids, "lps": result.logprobs, "ranks": result.ranks,
+                                 "top_ids": result.top_token_ids, "top_lps": result.top_logprobs})
+        return _Launched(out, reqs, result, now, readback)
 
     def _finish(self, flight: _Launched) -> list[RequestOutput]:
         touched = {s.req for s in flight.out.seqs}
@@ -350,9 +356,8 @@ class LLMEngine:
             return
         for r in reqs:
             r.num_pending -= 1
-        tokens, lps, ranks = res.token_ids.tolist(), res.logprobs.tolist(), res.ranks.tolist()
-        top_ids = res.top_token_ids.tolist() if res.top_token_ids is not None else None
-        top_lps = res.top_logprobs.tolist() if res.top_logprobs is not None else None
+        host = flight.readback.lists()
+        tokens, lps, ranks, top_ids, top_lps = (host[k] for k in ("tokens", "lps", "ranks", "top_ids", "top_lps"))
         for j, req in enumerate(reqs):
             if req.is_finished:
                 continue

@@ -13,11 +13,23 @@ from dataclasses import dataclass
 import torch
 
 
+def staged(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """t in pinned memory when it is bound for a CUDA device. A copy from pageable memory can block the
+    host until the stream drains; from pinned memory `non_blocking=True` only queues it, and torch's
+    pinned-memory cache keeps the block until that copy is done."""
+    return t.pin_memory() if torch.device(device).type == "cuda" else t
+
+
+def host_to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """t on device without waiting for the stream."""
+    return staged(t, device).to(device, non_blocking=True)
+
+
 def to_device(values, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """torch.tensor(values) on device without a stream sync. torch.tensor(..., device="cuda") copies
+    """torch.tensor(values) on device without a stream sync (torch.tensor(..., device="cuda") copies
     blocking, which waits for every queued kernel: the host could not prepare step k+1 while the GPU
-    runs step k (async scheduling). A non-blocking copy from pageable memory is staged at once."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    runs step k)."""
+    return host_to_device(torch.tensor(values, dtype=dtype), device)
 
 
 @dataclass
@@ -63,7 +75,7 @@ class Batch:
     def context_lens_device(self) -> torch.Tensor:
         """context_lens on the batch's device, built once per step (GPU kernels read it; every MLA
         layer building its own would cost a host-to-device copy per layer)."""
-        return torch.tensor(self.context_lens, dtype=torch.long).to(self.cu_seqlens.device, non_blocking=True)
+        return to_device(self.context_lens, torch.long, self.cu_seqlens.device)
 
     @property
     def decode_only(self) -> bool:
@@ -98,10 +110,10 @@ class Batch:
         return cls(
             query_lens=list(query_lens),
             context_lens=list(context_lens),
-            cu_seqlens=cu.to(dev, non_blocking=True),
-            positions=positions.to(dev, non_blocking=True),
-            block_tables=bt.to(dev, non_blocking=True),
-            slot_mapping=slot_mapping.to(dev, non_blocking=True),
+            cu_seqlens=host_to_device(cu, dev),
+            positions=host_to_device(positions, dev),
+            block_tables=host_to_device(bt, dev),
+            slot_mapping=host_to_device(slot_mapping, dev),
             state_slots=to_device(state_slots, torch.long, dev),
             fresh_state=to_device(fresh_state, torch.bool, dev),
         )

@@ -1,14 +1,20 @@
-"""Fused KDA decode as two Triton launches (DESIGN.md §6; math: spec/models.md §2.4, §3.3).
+"""Fused KDA decode as three Triton launches (DESIGN.md §6; math: spec/models.md §2.4, §3.3).
 
 Each of N sequences brings the same number T of new tokens (T = 1: plain decode; T > 1: e.g. verifying
 T-1 speculative draft tokens + 1), token rows sequence-major: sequence n owns rows n*T .. n*T+T-1.
-The state kernel runs one program per (sequence, head, block of V rows): for each token in order, short
-conv of q/k/v, decay gate, β, q/k L2 norm and the delta-rule update of its rows of the fp32 [V, K] state,
-which stays in registers across the T steps and goes back to the slot once. Splitting V gives small
-batches enough programs to fill the GPU (one program per head held a 64 KB tile and reached 2% of copy
-bandwidth at batch 1 on an H200). The finish kernel (one program per (sequence, head)) applies the gated
-RMSNorm, which needs the whole row, and shifts the conv tails. The state is the bulk of the bytes: read
-once and written once per sequence, whatever T.
+1. The prep kernel, one program per (sequence, head), does everything that is per head rather than per
+   state row: the short conv of q/k/v over the slot's tail, the decay gate, β and the q/k L2 norms, for
+   each token in order, into a small fp32 scratch; then it shifts the head's conv tails (it is their only
+   reader).
+2. The state kernel, one program per (sequence, head, block of V rows), streams the fp32 [V, K] state: for
+   each token the delta-rule update and the output of its rows, the state held in registers across the T
+   steps and written back to the slot once. It has nothing else to do, so many small programs (fla's
+   fused recurrent kernel uses one warp on 8 rows) keep enough state in flight to run near copy
+   bandwidth; when it also recomputed the conv, every row block repeated it and the kernel sat at
+   46% of copy at batch 64.
+3. The finish kernel, one program per (sequence, head), applies the gated RMSNorm, which needs the whole
+   row.
+The state is the bulk of the bytes: read once and written once per sequence, whatever T.
 """
 
 from __future__ import annotations
@@ -45,18 +51,57 @@ def _conv_out(x_ptr, s_xn, row0, t, w_ptr, tail_ptr, s_cc, s_cw, c, fresh, T: tl
 
 
 @triton.jit
-def _kda_state_kernel(
+def _kda_prep_kernel(
     x_ptr, s_xn, f_ptr, s_fn, b_ptr, s_bn,
     conv_w_ptr, conv_ptr, s_cs, s_cc, s_cw,
-    rec_ptr, s_rs, s_rh, s_rv, s_rk,
-    a_log_ptr, dt_bias_ptr, slots_ptr, fresh_ptr, o_ptr,
-    P, scale, lower_bound,
-    T: tl.constexpr, K: tl.constexpr, BV: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
-    BOUNDED: tl.constexpr,
+    a_log_ptr, dt_bias_ptr, slots_ptr, fresh_ptr, qkvg_ptr, beta_ptr,
+    P, H, scale, lower_bound,
+    T: tl.constexpr, K: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BOUNDED: tl.constexpr,
 ):
-    """Program (n, h, vb): rows vb*BV.. of head h's state over the sequence's T tokens. q and k (all K
-    channels) are recomputed by every row block of the head, which is cheaper than a second pass; the
-    conv tails are only read (the finish kernel shifts them once every program has read them)."""
+    """Program (n, h): for each token t, writes q̂ (normed, scaled), k̂ (normed), v and exp(gate) of head h
+    as rows 0..3 of qkvg[n*T+t, h] (fp32), and σ(b) to beta; then the conv-tail shift of the head's q/k/v
+    channels."""
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slots_ptr + n).to(tl.int64)
+    fresh = tl.load(fresh_ptr + n) != 0
+    row0 = n * T
+    tail_ptr = conv_ptr + slot * s_cs
+    # lanes [q | k | v | gate] of the head, K each: the three conv parts in one window per token, and
+    # the output in the layout the state kernel reads
+    i = tl.arange(0, 4 * K)
+    part = i // K
+    c = tl.where(part < 3, part * P + h * K + i % K, 0)  # gate lanes alias channel 0: their conv is unused
+    gl = tl.where(part == 3, i - 3 * K, 0)
+    a = tl.exp(tl.load(a_log_ptr + h))
+    dtb = tl.load(dt_bias_ptr + h * K + gl)
+    for t in range(T):
+        y = _conv_out(x_ptr, s_xn, row0, t, conv_w_ptr, tail_ptr, s_cc, s_cw, c, fresh, T, W, WP)
+        qn = tl.rsqrt(tl.sum(tl.where(part == 0, y * y, 0.0), axis=0) + 1e-6) * scale
+        kn = tl.rsqrt(tl.sum(tl.where(part == 1, y * y, 0.0), axis=0) + 1e-6)
+        y = y * tl.where(part == 0, qn, tl.where(part == 1, kn, 1.0))
+        f = tl.load(f_ptr + (row0 + t) * s_fn + h * K + gl).to(tl.float32) + dtb
+        if BOUNDED:
+            g = lower_bound * tl.sigmoid(a * f)
+        else:
+            g = -a * tl.where(f > 20.0, f, tl.log(1.0 + tl.exp(tl.minimum(f, 20.0))))
+        tl.store(qkvg_ptr + ((row0 + t) * H + h) * 4 * K + i, tl.where(part == 3, tl.exp(g), y))
+        tl.store(beta_ptr + (row0 + t) * H + h, tl.sigmoid(tl.load(b_ptr + (row0 + t) * s_bn + h).to(tl.float32)))
+
+    j = tl.arange(0, WP)
+    # the new tail is the last W-1 positions of [old tail, T new tokens], i.e. positions T .. T+W-2
+    new = _window_of(x_ptr, s_xn, row0, tail_ptr, s_cc, s_cw, c, T, fresh, T, W, WP, W - 1)
+    tl.debug_barrier()  # every load of the old tail before any store (other threads shift the same rows)
+    tl.store(tail_ptr + c[:, None] * s_cc + j[None, :] * s_cw, new.to(conv_ptr.dtype.element_ty),
+             mask=(part < 3)[:, None] & (j[None, :] < W - 1))
+
+
+@triton.jit
+def _kda_state_kernel(
+    qkvg_ptr, beta_ptr, rec_ptr, s_rs, s_rh, s_rv, s_rk, slots_ptr, fresh_ptr, o_ptr, P, H,
+    T: tl.constexpr, K: tl.constexpr, BV: tl.constexpr,
+):
+    """Program (n, h, vb): rows vb*BV.. of head h's state over the sequence's T tokens."""
     n = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -64,39 +109,28 @@ def _kda_state_kernel(
     fresh = tl.load(fresh_ptr + n) != 0
     offs = tl.arange(0, K)
     rows = vb * BV + tl.arange(0, BV)
-    row0 = n * T
-    tail_ptr = conv_ptr + slot * s_cs
-    a = tl.exp(tl.load(a_log_ptr + h))
-    dtb = tl.load(dt_bias_ptr + h * K + offs)
     sp = rec_ptr + slot * s_rs + h * s_rh + rows[:, None] * s_rv + offs[None, :] * s_rk
     m = tl.where(fresh, 0.0, tl.load(sp))
     for t in range(T):
-        q = _conv_out(x_ptr, s_xn, row0, t, conv_w_ptr, tail_ptr, s_cc, s_cw, h * K + offs, fresh, T, W, WP)
-        k = _conv_out(x_ptr, s_xn, row0, t, conv_w_ptr, tail_ptr, s_cc, s_cw, P + h * K + offs, fresh, T, W, WP)
-        v = _conv_out(x_ptr, s_xn, row0, t, conv_w_ptr, tail_ptr, s_cc, s_cw, 2 * P + h * K + rows, fresh, T, W, WP)
-        q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
-        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-        f = tl.load(f_ptr + (row0 + t) * s_fn + h * K + offs).to(tl.float32) + dtb
-        if BOUNDED:
-            g = lower_bound * tl.sigmoid(a * f)
-        else:
-            g = -a * tl.where(f > 20.0, f, tl.log(1.0 + tl.exp(tl.minimum(f, 20.0))))
-        beta = tl.sigmoid(tl.load(b_ptr + (row0 + t) * s_bn + h).to(tl.float32))
-        m = m * tl.exp(g)[None, :]  # decay the key columns
+        r = n * T + t
+        vec = qkvg_ptr + (r * H + h) * 4 * K
+        q = tl.load(vec + offs)
+        k = tl.load(vec + K + offs)
+        v = tl.load(vec + 2 * K + rows)
+        decay = tl.load(vec + 3 * K + offs)
+        beta = tl.load(beta_ptr + r * H + h)
+        m = m * decay[None, :]  # decay the key columns
         pred = tl.sum(m * k[None, :], axis=1)
         m = m + (beta * (v - pred))[:, None] * k[None, :]
-        tl.store(o_ptr + (row0 + t) * P + h * K + rows, tl.sum(m * q[None, :], axis=1))
+        tl.store(o_ptr + r * P + h * K + rows, tl.sum(m * q[None, :], axis=1))
     tl.store(sp, m)
 
 
 @triton.jit
 def _kda_finish_kernel(
-    x_ptr, s_xn, gate_ptr, s_gn, conv_ptr, s_cs, s_cc, s_cw, slots_ptr, fresh_ptr, onorm_ptr, o_ptr,
-    out_ptr, s_on, P, eps,
-    T: tl.constexpr, K: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
+    gate_ptr, s_gn, onorm_ptr, o_ptr, out_ptr, s_on, P, eps, T: tl.constexpr, K: tl.constexpr,
 ):
-    """Program (n, h): gated RMSNorm of the head's output for each token, and the conv-tail shift of its
-    q/k/v channels (after the state kernel, so no program can read a tail that was already shifted)."""
+    """Program (n, h): gated RMSNorm of the head's output for each token."""
     n = tl.program_id(0)
     h = tl.program_id(1)
     offs = tl.arange(0, K)
@@ -108,24 +142,12 @@ def _kda_finish_kernel(
         o = o * tl.rsqrt(tl.sum(o * o, axis=0) / K + eps) * wn * tl.sigmoid(gate)
         tl.store(out_ptr + r * s_on + h * K + offs, o.to(out_ptr.dtype.element_ty))
 
-    slot = tl.load(slots_ptr + n).to(tl.int64)
-    fresh = tl.load(fresh_ptr + n) != 0
-    j = tl.arange(0, WP)
-    i = tl.arange(0, 4 * K)  # the 3 parts (q, k, v) of the head, padded to a power of two
-    c = tl.where(i < 3 * K, (i // K) * P + h * K + i % K, 0)  # padding lanes alias channel 0, never stored
-    tail_ptr = conv_ptr + slot * s_cs
-    # the new tail is the last W-1 positions of [old tail, T new tokens], i.e. positions T .. T+W-2
-    new = _window_of(x_ptr, s_xn, n * T, tail_ptr, s_cc, s_cw, c, T, fresh, T, W, WP, W - 1)
-    tl.debug_barrier()  # every load of the old tail before any store (other threads shift the same rows)
-    tl.store(tail_ptr + c[:, None] * s_cc + j[None, :] * s_cw, new.to(conv_ptr.dtype.element_ty),
-             mask=(i < 3 * K)[:, None] & (j[None, :] < W - 1))
-
 
 def kda_decode_multi(
     x: torch.Tensor, f: torch.Tensor, b: torch.Tensor, gate: torch.Tensor, conv_weight: torch.Tensor,
     conv_pool: torch.Tensor, rec_pool: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
     o_norm_weight: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor, scale: float, eps: float,
-    lower_bound: float | None, tokens_per_seq: int, num_warps: int = 4, block_v: int | None = None,
+    lower_bound: float | None, tokens_per_seq: int, num_warps: int | None = None, block_v: int | None = None,
 ) -> torch.Tensor:
     """T = tokens_per_seq new tokens for each of N sequences (rows sequence-major, N*T in all): T recurrent
     steps per sequence, as T calls of `kda_decode` would make them. Updates the slots in place (state and
@@ -147,22 +169,25 @@ def kda_decode_multi(
     out = torch.empty(n * t, p, dtype=x.dtype, device=x.device)
     if n == 0:
         return out
-    # small batches: more, smaller programs; never more rows than V (unmasked rows would reach other heads)
-    bv = min(block_v or (32 if n * h >= 4 * 132 else 16), kd)
-    o_raw = torch.empty(n * t, p, dtype=torch.float32, device=x.device)
+    # measured on an H200 (graph replay, 32 heads x 128): batch 1 best with 8 rows on 4 warps, batch 64 with
+    # 8 rows on 1-2 warps (73% of copy), batch 256 with 32 rows on one warp (78%)
+    bv_default, warps_default = (8, 4) if n * h < 4 * 132 else (8, 2) if n * h < 8192 else (32, 1)
+    bv = min(block_v or bv_default, kd)  # never more rows than V: rows past it are another head's
+    num_warps = num_warps or warps_default
     wp = triton.next_power_of_2(w)
+    qkvg = torch.empty(n * t, h, 4, kd, dtype=torch.float32, device=x.device)
+    beta = torch.empty(n * t, h, dtype=torch.float32, device=x.device)
+    o_raw = torch.empty(n * t, p, dtype=torch.float32, device=x.device)
+    _kda_prep_kernel[(n, h)](
+        x, x.stride(0), f, f.stride(0), b, b.stride(0), conv_weight, conv_pool, *conv_pool.stride(),
+        a_log, dt_bias, slots, fresh, qkvg, beta, p, h, scale, 0.0 if lower_bound is None else float(lower_bound),
+        T=t, K=kd, W=w, WP=wp, BOUNDED=lower_bound is not None, num_warps=4,
+    )
     _kda_state_kernel[(n, h, triton.cdiv(kd, bv))](
-        x, x.stride(0), f, f.stride(0), b, b.stride(0),
-        conv_weight, conv_pool, *conv_pool.stride(),
-        rec_pool, *rec_pool.stride(),
-        a_log, dt_bias, slots, fresh, o_raw,
-        p, scale, 0.0 if lower_bound is None else float(lower_bound),
-        T=t, K=kd, BV=bv, W=w, WP=wp, BOUNDED=lower_bound is not None, num_warps=num_warps,
+        qkvg, beta, rec_pool, *rec_pool.stride(), slots, fresh, o_raw, p, h, T=t, K=kd, BV=bv, num_warps=num_warps,
     )
-    _kda_finish_kernel[(n, h)](
-        x, x.stride(0), gate, gate.stride(0), conv_pool, *conv_pool.stride(), slots, fresh, o_norm_weight, o_raw,
-        out, out.stride(0), p, eps, T=t, K=kd, W=w, WP=wp, num_warps=4,
-    )
+    _kda_finish_kernel[(n, h)](gate, gate.stride(0), o_norm_weight, o_raw, out, out.stride(0), p, eps, T=t, K=kd,
+                               num_warps=4)
     return out
 
 
@@ -170,7 +195,7 @@ def kda_decode(
     x: torch.Tensor, f: torch.Tensor, b: torch.Tensor, gate: torch.Tensor, conv_weight: torch.Tensor,
     conv_pool: torch.Tensor, rec_pool: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
     o_norm_weight: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor, scale: float, eps: float,
-    lower_bound: float | None, num_warps: int = 4, block_v: int | None = None,
+    lower_bound: float | None, num_warps: int | None = None, block_v: int | None = None,
 ) -> torch.Tensor:
     """One token for each of N sequences; updates the slots in place, returns the normed output [N, P].
 

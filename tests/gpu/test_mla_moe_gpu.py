@@ -68,7 +68,7 @@ def test_mla_prefill_matches_reference():
         q0 += nq
 
 
-@pytest.mark.parametrize("t", [1, 8, 64, 1000])
+@pytest.mark.parametrize("t", [1, 8, 64, 1000, 2000])
 def test_grouped_moe_matches_reference(t):
     from hyserve.ops.moe_gemv import experts_forward_gemv
     from hyserve.ops.moe_grouped import experts_forward_grouped

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hyserve.models.batch import Batch, CacheTensors
+from hyserve.models.batch import Batch, CacheTensors, to_device
 from hyserve.models.config import ModelConfig
 from hyserve.models.layers.rope import Rotary
 from hyserve.ops import dsa_indexer as dsa
@@ -123,8 +123,9 @@ def token_seq_ids(batch: Batch) -> torch.Tensor:
     dev = batch.block_tables.device
     if batch.decode_only:  # one row per sequence: no host-to-device copy
         return torch.arange(batch.num_seqs, device=dev, dtype=torch.int32)
-    q = torch.tensor(batch.query_lens, device=dev)
-    return torch.repeat_interleave(torch.arange(batch.num_seqs, device=dev, dtype=torch.int32), q)
+    q = to_device(batch.query_lens, torch.long, dev)
+    return torch.repeat_interleave(torch.arange(batch.num_seqs, device=dev, dtype=torch.int32), q,
+                                   output_size=batch.num_tokens)  # a known size: no sync
 
 
 __all__ = ["Indexer", "IndexKeyNorm", "sparse_mla", "token_seq_ids"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hyserve.models.batch import Batch, CacheTensors
+from hyserve.models.batch import Batch, CacheTensors, to_device
 from hyserve.models.layers.norm import gated_rms_norm
 from hyserve.ops.kda_decode import kda_decode
 from hyserve.ops.kda_prefill import causal_conv_varlen, chunk_kda_varlen
@@ -54,12 +54,12 @@ def kda_forward_fast(layer, x: torch.Tensor, batch: Batch, cache: CacheTensors) 
     for n in qlens:
         cu_host.append(cu_host[-1] + n)
     if dec:
-        idx = torch.tensor(dec, device=x.device)
+        idx = to_device(dec, torch.long, x.device)
         tok = batch.cu_seqlens[idx]
         out[tok] = kda_decode(qkv[tok], f[tok], b[tok], gate[tok], *args, batch.state_slots[idx],
                               batch.fresh_state[idx], scale, layer.eps, layer.lower_bound)
 
-    pidx = torch.tensor(pre, device=x.device)
+    pidx = to_device(pre, torch.long, x.device)
     tok = None if not dec else _token_index(cu_host, pre, x.device)
 
     def rows(y: torch.Tensor) -> torch.Tensor:

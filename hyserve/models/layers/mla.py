@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hyserve.models.batch import Batch, CacheTensors
+from hyserve.models.batch import Batch, CacheTensors, to_device
 from hyserve.models.config import ModelConfig
 from hyserve.models.layers.dsa import Indexer, sparse_mla, token_seq_ids
 from hyserve.models.layers.norm import RMSNorm
@@ -92,9 +92,9 @@ class MLAttention(nn.Module):
         qlens, ctx = batch.query_lens, batch.context_lens
         decode = [i for i, n in enumerate(qlens) if n == 1]
         if decode:
-            idx = torch.tensor(decode, device=x.device)
+            idx = to_device(decode, torch.long, x.device)
             tok = batch.cu_seqlens[idx]
-            ctx_t = torch.tensor([ctx[i] for i in decode], device=x.device)
+            ctx_t = to_device([ctx[i] for i in decode], torch.long, x.device)
             o[tok] = mla_ops.mla_absorbed_decode(
                 q_nope[tok], q_rope[tok], pages, layer, batch.block_tables[idx], ctx_t,
                 self.kv_b_proj.weight, self.rank, self.dv, self.scale,
@@ -121,7 +121,7 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight
         if dec:
             every = len(dec) == len(qlens)
-            idx = None if every else torch.tensor(dec, device=dev)
+            idx = None if every else to_device(dec, torch.long, dev)
             tok = slice(None) if every else batch.cu_seqlens[idx]
             bt = batch.block_tables if every else batch.block_tables[idx]
             ctx_d = [ctx[i] for i in dec]
@@ -133,7 +133,7 @@ class MLAttention(nn.Module):
         if pre:
             cu = batch.cu_seqlens.tolist()
             tok = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in pre]).to(dev) if dec else slice(None)
-            bt = batch.block_tables[torch.tensor(pre, device=dev)] if dec else batch.block_tables
+            bt = batch.block_tables[to_device(pre, torch.long, dev)] if dec else batch.block_tables
             o[tok] = mla_prefill_fast(
                 q_nope[tok], q_rope[tok], cache.pages, self.mla_index, bt, [qlens[i] for i in pre],
                 [ctx[i] for i in pre], w, self.rank, self.dv, self.scale,
