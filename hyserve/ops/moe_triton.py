@@ -125,7 +125,9 @@ def expert_tiles(ids: torch.Tensor, num_experts: int, bm: int) -> tuple[torch.Te
     flat = ids.reshape(-1)
     n, dev = flat.numel(), flat.device
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add_, not bincount: bincount reads its maximum back to the host, so no CUDA graph could hold it
+    counts = torch.zeros(num_experts, dtype=torch.long, device=dev)
+    counts.scatter_add_(0, flat.long(), torch.ones(n, dtype=torch.long, device=dev))
     padded = (counts + bm - 1) // bm * bm
     padded_end = torch.cumsum(padded, 0)
     start = torch.cumsum(counts, 0) - counts

@@ -89,6 +89,32 @@ def test_grouped_moe_matches_reference(t):
         assert rel_err(experts_forward_gemv(x, ids, w, w13, w2, act), y_ref) < 1e-2
 
 
+@pytest.mark.parametrize("t", [64, 2000], ids=["one-launch layout", "torch layout"])
+def test_triton_grouped_moe_replays_from_a_cuda_graph(t):
+    """Decode steps run in CUDA graphs: neither tile layout may read anything back to the host."""
+    from hyserve.ops.moe_triton import experts_forward_triton
+
+    gen = torch.Generator("cuda").manual_seed(t)
+    e, d, inter, k = 64, 512, 256, 8
+    x = torch.randn(t, d, device="cuda", generator=gen).to(torch.bfloat16)
+    w13 = (torch.randn(e, 2 * inter, d, device="cuda", generator=gen) * 0.05).to(torch.bfloat16)
+    w2 = (torch.randn(e, d, inter, device="cuda", generator=gen) * 0.05).to(torch.bfloat16)
+    ids, w = moe_ref.route(x, torch.randn(e, d, device="cuda", generator=gen) * 0.05, None, k, renormalize=True,
+                           scaling=1.0)
+    act = GLU("silu")
+    eager = experts_forward_triton(x, ids, w, w13, w2, act)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        experts_forward_triton(x, ids, w, w13, w2, act)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = experts_forward_triton(x, ids, w, w13, w2, act)
+    graph.replay()
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("t", [1, 8])
 def test_gemv_experts_carry_the_shared_expert(t):
     """48B shape: the shared expert as the last pair of the two GEMV launches, silu fused into the down
