@@ -1,8 +1,16 @@
 """Prefill throughput of the kimi-linear-48b-a3b preset (random weights): one fresh sequence of 2K, 8K and
 32K tokens, FLOPs counted, against the bf16 matmul rate measured in the same run.
-`python benchmarks/gpu_prefill.py`."""
+
+    python benchmarks/gpu_prefill.py
+    python benchmarks/gpu_prefill.py --lengths 2048,8192 --fla-configs 4   # a shorter device call
+
+--fla-configs N keeps N configs per fla-core autotuner (its full autotune takes minutes before the first
+step); the kernels it picks may then be a little slower than the full search would pick."""
 
 from __future__ import annotations
+
+import argparse
+import sys
 
 import torch
 from gpu_common import active_params_per_token, ceilings, load_48b, report, time_ms
@@ -19,7 +27,8 @@ def prefill_flops(cfg, t: int) -> float:
     return gemm + attn + kda
 
 
-def main(model=None, ceil=None, lengths=(2048, 8192, 32768)) -> None:
+def main(model=None, ceil=None, lengths=(2048, 8192, 32768), command: str = "python benchmarks/gpu_prefill.py",
+         note: str = "") -> None:
     ceil = ceil or ceilings()
     model = model or load_48b()
     cfg = model.config
@@ -45,8 +54,8 @@ def main(model=None, ceil=None, lengths=(2048, 8192, 32768)) -> None:
         print(rows[-1], flush=True)
         del cache
         torch.cuda.empty_cache()
-    report("Prefill, kimi-linear-48b-a3b (random bf16 weights), one sequence", "python benchmarks/gpu_prefill.py",
-           rows, [f"Ceilings in this run: copy {ceil['copy_tbs']:.2f} TB/s, bf16 matmul {ceil['mm_tflops']:.0f} "
+    report("Prefill, kimi-linear-48b-a3b (random bf16 weights), one sequence", command,
+           rows, [note + f"Ceilings in this run: copy {ceil['copy_tbs']:.2f} TB/s, bf16 matmul {ceil['mm_tflops']:.0f} "
                   "TFLOP/s. FLOPs: active GEMMs (8 routed + shared expert, lm_head for one token counted as all "
                   "tokens), causal MLA attention in the expanded form, kv_b up-projection, KDA ≈ 4 K×V products "
                   "per token and head. transformers 5.17 on the same shape (notes/h200.md, not re-run here): "
@@ -54,4 +63,15 @@ def main(model=None, ceil=None, lengths=(2048, 8192, 32768)) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--lengths", default="2048,8192,32768")
+    p.add_argument("--fla-configs", type=int, default=None, help="configs kept per fla autotuner (default: all)")
+    args = p.parse_args()
+    note = ""
+    if args.fla_configs:
+        from hyserve.train.packed import limit_fla_autotune
+
+        limit_fla_autotune(args.fla_configs)
+        note = f"fla-core's autotuners kept {args.fla_configs} configs each. "
+    main(lengths=[int(t) for t in args.lengths.split(",")],
+         command=" ".join(["python benchmarks/gpu_prefill.py", *sys.argv[1:]]), note=note)

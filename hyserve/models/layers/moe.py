@@ -12,7 +12,7 @@ from hyserve.ops import moe as moe_ops
 from hyserve.ops.dispatch import fast_path, no_grad_fast_path
 from hyserve.ops.moe_gemv import experts_forward_gemv, shared_fits
 from hyserve.ops.moe_grouped import experts_forward_grouped, grouped_mm_available
-from hyserve.ops.moe_triton import LAYOUT_MAX_PAIRS, experts_forward_triton
+from hyserve.ops.moe_triton import experts_forward_triton
 
 
 def _linear(i: int, o: int) -> nn.Linear:
@@ -87,12 +87,10 @@ class MoE(nn.Module):
             fused = shared if shared is not None and not self.latent and shared_fits(shared, self.w13, self.w2) else None
             y = experts_forward_gemv(xe, ids, w, self.w13, self.w2, self.act, shared=fused)
             shared = None if fused is not None else shared
-        elif no_grad_fast_path(xe, self.w13, self.w2) and xe.dtype != torch.float32 and (
-            ids.numel() <= LAYOUT_MAX_PAIRS or not grouped_mm_available(xe, self.w13)
-        ):
-            # up to 1,024 tokens the Triton grouped GEMM streams the touched experts at about copy speed,
-            # 1.5x torch._grouped_mm at 64-256 tokens (H200, docs/BENCHMARKS.md); also fp16, or a GPU
-            # before sm90 (fp32 keeps the exact loop; training keeps autograd)
+        elif no_grad_fast_path(xe, self.w13, self.w2) and xe.dtype != torch.float32:
+            # faster than torch._grouped_mm on an H200 at every size measured: 1.5x at 64-256 tokens, where
+            # it streams the touched experts at about copy speed, and 1.6x at 8K (docs/BENCHMARKS.md); also
+            # fp16, or a GPU before sm90 (fp32 keeps the exact loop; training keeps autograd)
             y = experts_forward_triton(xe, ids, w, self.w13, self.w2, self.act)
         elif fast_path(xe) and grouped_mm_available(xe, self.w13):
             y = experts_forward_grouped(xe, ids, w, self.w13, self.w2, self.act)
