@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from hyserve.models.batch import Batch, CacheTensors, to_device
-from hyserve.models.layers.norm import gated_rms_norm
-from hyserve.ops.kda_decode import kda_decode
-from hyserve.ops.kda_prefill import causal_conv_varlen, chunk_kda_varlen
+from hyserve.ops.kda_conv import causal_conv_varlen_triton
+from hyserve.ops.kda_decode import gated_rms_norm_heads, kda_decode
+from hyserve.ops.kda_prefill import chunk_kda_varlen
 
 
 def merged_in_proj(layer) -> tuple[torch.Tensor, list[int]]:
@@ -71,7 +71,7 @@ def kda_forward_fast(layer, x: torch.Tensor, batch: Batch, cache: CacheTensors) 
     slots, fresh = batch.state_slots[pidx], batch.fresh_state[pidx]
     tails = conv_pool[slots].masked_fill(fresh[:, None, None], 0)
     init = rec_pool[slots].masked_fill(fresh[:, None, None, None], 0)  # masked_fill: fresh slots may hold NaN
-    y, new_tails = causal_conv_varlen(rows(qkv), layer.conv_weight, cu_p, tails)
+    y, new_tails = causal_conv_varlen_triton(rows(qkv), layer.conv_weight, cu_p, tails)
     q, kk, v = (z.contiguous() for z in y.view(tp, 3, h, k).unbind(1))
     o, final = chunk_kda_varlen(
         q, kk, v, rows(f).view(tp, h, k), rows(b).contiguous(), layer.A_log, layer.dt_bias, layer.lower_bound,
@@ -79,9 +79,9 @@ def kda_forward_fast(layer, x: torch.Tensor, batch: Batch, cache: CacheTensors) 
     )
     conv_pool[slots] = new_tails.to(conv_pool.dtype)
     rec_pool[slots] = final
-    o = gated_rms_norm(o, rows(gate).view(tp, h, k), layer.o_norm_weight, layer.eps).reshape(tp, p)
+    o = gated_rms_norm_heads(o.contiguous(), rows(gate), layer.o_norm_weight, layer.eps, x.dtype)
     if tok is None:
-        out = o.to(x.dtype)
+        out = o
     else:
-        out[tok] = o.to(x.dtype)
+        out[tok] = o
     return layer.o_proj(out)
