@@ -4,7 +4,7 @@
 expert weights vs bandwidth, FLOPs vs matmul rate).
 
     python benchmarks/gpu_kernels.py                 # every section
-    python benchmarks/gpu_kernels.py --only kda,moe  # some of kda, kda_multi, mla, moe
+    python benchmarks/gpu_kernels.py --only kda,moe  # some of kda, kda_prefill, kda_multi, mla, moe
 
 KDA decode and MoE are timed as CUDA-graph replays, as decode steps run them (a timed eager call also
 counts the host's launch path, which is most of it at batch 1)."""
@@ -19,8 +19,11 @@ import torch
 from gpu_common import ceilings, report, time_graph_ms, time_ms
 
 from hyserve.models.layers.activation import GLU
+from hyserve.models.layers.norm import gated_rms_norm
 from hyserve.ops import moe as moe_ref
-from hyserve.ops.kda_decode import kda_decode, kda_decode_multi
+from hyserve.ops.kda_conv import causal_conv_varlen_triton
+from hyserve.ops.kda_decode import gated_rms_norm_heads, kda_decode, kda_decode_multi
+from hyserve.ops.kda_prefill import causal_conv_varlen
 from hyserve.ops.mla_decode import mla_absorbed_decode_fast, mla_decode_latent
 from hyserve.ops.moe_gemv import experts_forward_gemv
 from hyserve.ops.moe_grouped import experts_forward_grouped
@@ -158,7 +161,38 @@ def moe_rows(ceil, gen) -> list[str]:
     return rows
 
 
-SECTIONS = {"kda": kda_rows, "kda_multi": kda_multi_rows, "mla": mla_rows, "moe": moe_rows}
+def kda_prefill_rows(ceil, gen) -> list[str]:
+    """The prefill step's short conv and output norm at 2K and 8K tokens of the 48B shape: the Triton kernels
+    against the torch versions they replace on the GPU."""
+    h, k, w = 32, 128, 4
+    p = h * k
+    rows = []
+    for t in (2048, 8192):
+        x = torch.randn(t, 3 * p, device="cuda", generator=gen).to(torch.bfloat16)
+        cw = torch.randn(3 * p, w, device="cuda", generator=gen)
+        cu = torch.tensor([0, t], device="cuda")
+        tails = torch.randn(1, 3 * p, w - 1, device="cuda", generator=gen).to(torch.bfloat16)
+        ms_t = time_ms(lambda: causal_conv_varlen(x, cw, cu, tails), 2, 10)
+        ms_k = time_ms(lambda: causal_conv_varlen_triton(x, cw, cu, tails), 2, 10)
+        byts = 2 * x.numel() * 2
+        floor = byts / (ceil["copy_tbs"] * 1e12) * 1e3
+        rows.append(f"| KDA prefill conv, {t} tokens | {ms_k * 1e3:.1f} µs | {byts / 1e6:.1f} MB | "
+                    f"{byts / ms_k / 1e9:.2f} TB/s | {floor * 1e3:.1f} µs | {floor / ms_k:.0%} | torch version "
+                    f"{ms_t * 1e3:.1f} µs ({ms_t / ms_k:.1f}x) |")
+        o = torch.randn(t, h, k, device="cuda", generator=gen).to(torch.bfloat16)
+        g = torch.randn(t, p, device="cuda", generator=gen).to(torch.bfloat16)
+        wn = torch.ones(k, device="cuda")
+        ms_t = time_ms(lambda: gated_rms_norm(o, g.view(t, h, k), wn, 1e-5).reshape(t, p).to(torch.bfloat16), 2, 10)
+        ms_k = time_ms(lambda: gated_rms_norm_heads(o, g, wn, 1e-5, torch.bfloat16), 2, 10)
+        byts = 3 * o.numel() * 2
+        floor = byts / (ceil["copy_tbs"] * 1e12) * 1e3
+        rows.append(f"| KDA prefill gated norm, {t} tokens | {ms_k * 1e3:.1f} µs | {byts / 1e6:.1f} MB | "
+                    f"{byts / ms_k / 1e9:.2f} TB/s | {floor * 1e3:.1f} µs | {floor / ms_k:.0%} | torch version "
+                    f"{ms_t * 1e3:.1f} µs ({ms_t / ms_k:.1f}x) |")
+    return rows
+
+
+SECTIONS = {"kda": kda_rows, "kda_prefill": kda_prefill_rows, "kda_multi": kda_multi_rows, "mla": mla_rows, "moe": moe_rows}
 
 
 def main(ceil=None, argv: list[str] | None = None) -> None:

@@ -47,8 +47,9 @@ class EngineConfig:
     cpu_offload_bytes: int = 0
     # execution
     enforce_eager: bool = False
-    # launch step k+1 before reading back step k's tokens (vLLM's --async-scheduling); off by default
-    async_scheduling: bool = False
+    # launch step k+1 before reading back step k's tokens (vLLM's --async-scheduling); None: on for CUDA
+    # devices (1.2x at batch 1, 1.26x at batch 64 on an H200), off elsewhere (a CPU step gains nothing)
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.prefix_cache_retention_interval is None:

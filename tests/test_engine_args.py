@@ -84,3 +84,19 @@ def test_startup_description_shows_the_effective_cache_values(monkeypatch):
     for part in ("retention_interval=512", "kv_offloading=2 GiB", "num_gpu_blocks=40 (override)",
                  "num_checkpoint_slots=8", "enforce_eager=False"):
         assert part in text
+
+
+def test_async_scheduling_is_left_to_the_device_unless_a_flag_says_otherwise():
+    assert serve_config().async_scheduling is None  # the engine turns it on for CUDA devices
+    assert serve_config("--no-async-scheduling").async_scheduling is False
+    assert serve_config("--async-scheduling").async_scheduling is True
+    assert generate_kwargs("--no-async-scheduling")["async_scheduling"] is False
+
+
+def test_the_engine_resolves_the_async_default_from_its_device():
+    from hyserve.config import EngineConfig
+    from hyserve.engine.llm_engine import LLMEngine
+
+    cfg = EngineConfig(model="k3-tiny", device="cpu", max_model_len=64, max_num_seqs=2)
+    LLMEngine(cfg)
+    assert cfg.async_scheduling is False  # nothing to overlap on the CPU

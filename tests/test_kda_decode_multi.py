@@ -137,3 +137,13 @@ def test_rejects_rows_not_a_multiple_of_tokens_per_seq(dec):
     c = make_case(1, 5, [False], seed=1)
     with pytest.raises(AssertionError):
         run_multi(dec, c, 3, None)
+
+
+def test_the_prefill_gated_norm_matches_the_torch_norm(dec):
+    gen = torch.Generator().manual_seed(11)
+    o = torch.randn(7, 2, 16, generator=gen)
+    gate = torch.randn(7, 40, generator=gen)[:, 3:35]  # a column slice, as of the merged input projection
+    weight = torch.rand(16, generator=gen) + 0.5
+    got = dec.gated_rms_norm_heads(o, gate, weight, 1e-5, torch.float32)
+    want = gated_rms_norm(o, gate.reshape(7, 2, 16), weight, 1e-5).reshape(7, 32)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

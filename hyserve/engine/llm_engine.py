@@ -86,6 +86,8 @@ class LLMEngine:
         self.model = model if model is not None else load_model(cfg.model, dtype=cfg.dtype, device=device, seed=cfg.seed)
         self.model_config = self.model.config
         self.device = self.model.device
+        if cfg.async_scheduling is None:
+            cfg.async_scheduling = self.device.type == "cuda"
         self.tokenizer = tokenizer or load_tokenizer(
             cfg.tokenizer or (cfg.model if os.path.isdir(cfg.model) else None), self.model_config.tokenizer_family
         )

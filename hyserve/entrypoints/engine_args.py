@@ -23,9 +23,10 @@ def add_cache_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) ->
     p.add_argument("--enforce-eager", action="store_true", default=None,
                    help="never capture CUDA graphs: decode steps run eagerly (default on CUDA: graphs for "
                         "decode batches up to min(max-num-seqs, 512))")
-    p.add_argument("--async-scheduling", action="store_true", default=None,
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch each step before reading back the previous one's tokens, so host work "
-                        "overlaps the GPU (a request that stops computes one token more, which is dropped)")
+                        "overlaps the GPU (a request that stops computes one token more, which is dropped); "
+                        "default: on for CUDA devices")
 
 
 def cache_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -48,6 +49,6 @@ def cache_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             out[field] = value
     if getattr(args, "enforce_eager", None):
         out["enforce_eager"] = True
-    if getattr(args, "async_scheduling", None):
-        out["async_scheduling"] = True
+    if getattr(args, "async_scheduling", None) is not None:
+        out["async_scheduling"] = args.async_scheduling
     return out
