@@ -192,7 +192,70 @@ def kda_prefill_rows(ceil, gen) -> list[str]:
     return rows
 
 
-SECTIONS = {"kda": kda_rows, "kda_prefill": kda_prefill_rows, "kda_multi": kda_multi_rows, "mla": mla_rows, "moe": moe_rows}
+
+def _copies(shape, total_bytes: float, gen) -> list[torch.Tensor]:
+    """Enough distinct bf16 weights of shape to stream about total_bytes (past the 50 MB L2), as a decode
+    step streams a different layer's weight each call."""
+    one = torch.Size(shape).numel() * 2
+    return [(torch.randn(*shape, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+            for _ in range(max(1, int(total_bytes // one)))]
+
+
+def gemv_rows(ceil, gen) -> list[str]:
+    """Single-token projections of the 48B shape, each call on another copy of the weight in one graph:
+    cuBLAS (F.linear) against the Triton GEMV (ops/dense_gemv.py) over a sweep of its tiles."""
+    from hyserve.ops.dense_gemv import gemv
+
+    shapes = {"attention output (o_proj)": (2304, 4096), "KDA merged input": (12576, 2304),
+              "MLA q | kv_a": (6720, 2304), "layer-0 MLP gate/up": (9216, 2304), "layer-0 MLP down": (2304, 9216),
+              "lm_head": (163840, 2304)}
+    sweep = [(bn, bk, nw, st) for bn in (8, 16, 32) for bk in (128, 256) for nw in (4, 8) for st in (3, 4)]
+    rows = []
+    for name, (n, k) in shapes.items():
+        ws = _copies((n, k), 200e6, gen)
+        x = torch.randn(1, k, device="cuda", generator=gen).to(torch.bfloat16)
+        byts = n * k * 2
+        ref = time_graph_ms(lambda: [torch.nn.functional.linear(x, w) for w in ws], 10) / len(ws)
+        best = None
+        for cfg in sweep[:4] if QUICK else sweep:
+            ms = time_graph_ms(lambda cfg=cfg: [gemv(x, w, cfg) for w in ws], 10) / len(ws)
+            best = (ms, cfg) if best is None or ms < best[0] else best
+        ms, cfg = best
+        floor = byts / (ceil["copy_tbs"] * 1e12) * 1e3
+        rows.append(f"| GEMV 1 token, {name} {n}x{k} | {ms * 1e3:.1f} µs | {byts / 1e6:.1f} MB | "
+                    f"{byts / ms / 1e9:.2f} TB/s | {floor * 1e3:.1f} µs | {floor / ms:.0%} | best tile (BN, BK, warps, "
+                    f"stages) {cfg}; cuBLAS {ref * 1e3:.1f} µs = {byts / ref / 1e9:.2f} TB/s, {ref / ms:.2f}x |")
+    return rows
+
+
+def router_rows(ceil, gen) -> list[str]:
+    """The 48B router (256 experts x 2304, fp32 weight) at 1 and 4 tokens: one launch (logits, then the last
+    program selects) against the cast + cuBLAS GEMV + selection kernel, 26 layers' weights in one graph."""
+    from hyserve.ops.router_topk import route_topk_fast, router_fused
+
+    rows = []
+    ws = [torch.randn(256, 2304, device="cuda", generator=gen) * 0.02 for _ in range(26)]
+    bias = torch.randn(256, device="cuda", generator=gen) * 0.01
+    for t in (1, 4):
+        x = torch.randn(t, 2304, device="cuda", generator=gen).to(torch.bfloat16)
+        old = time_graph_ms(lambda: [route_topk_fast(x.float() @ w.t(), bias, 8, True, 2.446) for w in ws], 10) / 26
+        best = None
+        for be in (2, 4, 8):
+            for bd in (256, 512):
+                for nw in (2, 4):
+                    ms = time_graph_ms(lambda be=be, bd=bd, nw=nw: [router_fused(x, w, bias, 8, True, 2.446, be, bd, nw)
+                                                                  for w in ws], 10) / 26
+                    best = (ms, (be, bd, nw)) if best is None or ms < best[0] else best
+        ms, cfg = best
+        byts = 256 * 2304 * 4
+        floor = byts / (ceil["copy_tbs"] * 1e12) * 1e3
+        rows.append(f"| router {t} token(s), one launch | {ms * 1e3:.1f} µs | {byts / 1e6:.1f} MB | "
+                    f"{byts / ms / 1e9:.2f} TB/s | {floor * 1e3:.1f} µs | {floor / ms:.0%} | best (block_e, block_d, "
+                    f"warps) {cfg}; cast + GEMV + selection {old * 1e3:.1f} µs, {old / ms:.2f}x |")
+    return rows
+
+SECTIONS = {"kda": kda_rows, "kda_prefill": kda_prefill_rows, "kda_multi": kda_multi_rows, "mla": mla_rows, "moe": moe_rows,
+            "gemv": gemv_rows, "router": router_rows}
 
 
 def main(ceil=None, argv: list[str] | None = None) -> None:

@@ -59,3 +59,31 @@ def test_one_expert_without_renormalising_over_an_odd_count(fast):
 def test_a_top_k_beyond_the_expert_count_is_refused(fast):
     with pytest.raises(ValueError, match="top_k"):
         fast(torch.zeros(1, 4), None, 5, True, 1.0)
+
+
+@pytest.fixture(scope="module")
+def fused():
+    return importlib.import_module("hyserve.ops.router_topk").router_fused
+
+
+@pytest.mark.parametrize("t,e,d,k", [(1, 64, 96, 8), (3, 40, 33, 6), (2, 6, 8, 1)])
+def test_fused_router_matches_logits_then_selection(fused, t, e, d, k):
+    """Several expert blocks (the last one partial) and a width that is not a multiple of the column block."""
+    gen = torch.Generator().manual_seed(3 + t)
+    x, w = torch.randn(t, d, generator=gen), torch.randn(e, d, generator=gen) * 0.3
+    bias = torch.randn(e, generator=gen) * 0.1
+    ids, wts = fused(x, w, bias, k, k > 1, 2.446, block_e=4, block_d=32)
+    ref_ids, ref_w = reference(x, w, bias, k, k > 1, 2.446)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(wts, ref_w, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_router_leaves_its_counter_ready_for_the_next_call(fused):
+    from hyserve.ops.arrival import arrival_counters
+
+    gen = torch.Generator().manual_seed(9)
+    x, w = torch.randn(2, 16, generator=gen), torch.randn(32, 16, generator=gen)
+    first = fused(x, w, None, 4, True, 1.0, block_e=8, block_d=16)
+    assert int(arrival_counters(x.device, 1)[0]) == 0
+    second = fused(x, w, None, 4, True, 1.0, block_e=8, block_d=16)
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])

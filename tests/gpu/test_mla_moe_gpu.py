@@ -159,3 +159,51 @@ def test_fused_router_selects_as_the_reference(tokens):
     assert ids[0].tolist() == [3, 10, 11, 12, 13, 14, 15, 16]
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(wts, ref_w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_one_launch_router_selects_as_logits_then_selection(tokens):
+    """48B router shape from bf16 activations, twice in a row (the arrival counter is reset): the same
+    experts as the reference on the same fp32 logits, weights to fp32 rounding of the GEMV's sum order."""
+    from hyserve.ops.router_topk import router_fused
+
+    gen = torch.Generator(device="cuda").manual_seed(10 + tokens)
+    x = torch.randn(tokens, 2304, device="cuda", generator=gen).to(torch.bfloat16)
+    w = torch.randn(256, 2304, device="cuda", generator=gen) * 0.02
+    bias = torch.randn(256, device="cuda", generator=gen) * 0.01
+    ref_ids, ref_w = moe_ref.route(x, w, bias, 8, renormalize=True, scaling=2.446)
+    for _ in range(2):
+        ids, wts = router_fused(x, w, bias, 8, True, 2.446)
+        torch.cuda.synchronize()
+        assert torch.equal(ids, ref_ids)
+        torch.testing.assert_close(wts, ref_w, rtol=1e-4, atol=1e-5)
+
+
+def test_cache_write_kernel_stores_the_layers_rows_in_bf16():
+    """48B widths (latent 512, rope 64): every element as the torch norm, cat and store give it."""
+    from hyserve.models.layers.norm import rms_norm
+    from hyserve.ops.dispatch import reference_ops
+    from hyserve.ops.mla_cache import write_cache_rows
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    ckv = torch.randn(37, 576 + 4096, device="cuda", generator=gen).to(torch.bfloat16)[:, :576]
+    weight = (torch.rand(512, device="cuda", generator=gen) + 0.5).to(torch.bfloat16)
+    pages = torch.randn(8, 2, 64, 576, device="cuda", generator=gen).to(torch.bfloat16)
+    slots = torch.randperm(8 * 64, device="cuda", generator=gen)[:37]
+    want = pages.clone()
+    with reference_ops():
+        rows = torch.cat([rms_norm(ckv[:, :512], weight, 1e-6), ckv[:, 512:]], -1)
+    want[slots // 64, 1, slots % 64] = rows
+    write_cache_rows(ckv, weight, 1e-6, pages, 1, slots)
+    assert (pages.float() - want.float()).abs().max().item() <= 2 ** -7 * want.float().abs().max().item()
+
+
+@pytest.mark.parametrize("n,k", [(2304, 4096), (12576, 2304), (6720, 2304)])
+def test_single_token_gemv_matches_the_fp32_product(n, k):
+    """The 48B attention output, KDA input and MLA input shapes, in bf16, with the default tiles."""
+    from hyserve.ops.dense_gemv import gemv
+
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    x = torch.randn(1, k, device="cuda", generator=gen).to(torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    assert rel_err(gemv(x, w), x.float() @ w.float().t()) < 1e-2

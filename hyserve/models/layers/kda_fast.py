@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from hyserve.models.batch import Batch, CacheTensors, to_device
+from hyserve.models.layers.merged import merged
+from hyserve.ops.dense_gemv import linear
 from hyserve.ops.kda_conv import causal_conv_varlen_triton
 from hyserve.ops.kda_decode import gated_rms_norm_heads, kda_decode
 from hyserve.ops.kda_prefill import chunk_kda_varlen
@@ -15,28 +17,18 @@ from hyserve.ops.kda_prefill import chunk_kda_varlen
 
 def merged_in_proj(layer) -> tuple[torch.Tensor, list[int]]:
     """q|k|v|f_a|g_a (or g)|b weights stacked: one GEMM reads x once and, at batch 1, streams 3P+2K+H rows
-    in one launch instead of six small ones. Built once per weight storage (a reload rebuilds it)."""
+    in one launch instead of six small ones."""
     gate_w = layer.g_proj.weight if hasattr(layer, "g_proj") else layer.g_a_proj.weight
     parts = [layer.q_proj.weight, layer.k_proj.weight, layer.v_proj.weight, layer.f_a_proj.weight, gate_w,
              layer.b_proj.weight]
-    key = tuple(w.data_ptr() for w in parts)
-    cached = getattr(layer, "_merged_in", None)
-    if cached is None or cached[0] != key:
-        cached = (key, torch.cat([w.detach() for w in parts]), [w.shape[0] for w in parts])
-        layer._merged_in = cached
-    return cached[1], cached[2]
+    return merged(layer, "_merged_in", parts), [w.shape[0] for w in parts]
 
 
 def merged_fg_b(layer) -> torch.Tensor:
     """f_b and g_b (both [P, K]) as one [2, K, P] operand: the two low-rank up-projections in one batched
-    GEMM (at batch 1 each was a 4 µs launch for 1 MB). Cached like `merged_in_proj`."""
+    GEMM (at batch 1 each was a 4 µs launch for 1 MB)."""
     parts = (layer.f_b_proj.weight, layer.g_b_proj.weight)
-    key = tuple(w.data_ptr() for w in parts)
-    cached = getattr(layer, "_merged_fg_b", None)
-    if cached is None or cached[0] != key:
-        cached = (key, torch.stack([w.detach().t() for w in parts]))
-        layer._merged_fg_b = cached
-    return cached[1]
+    return merged(layer, "_merged_fg_b", parts, lambda ws: torch.stack([w.t() for w in ws]))
 
 
 def _token_index(cu: list[int], seqs: list[int], device: torch.device) -> torch.Tensor:
@@ -47,11 +39,13 @@ def kda_forward_fast(layer, x: torch.Tensor, batch: Batch, cache: CacheTensors) 
     t, h, k = x.shape[0], layer.num_heads, layer.head_dim
     p, scale = h * k, layer.head_dim**-0.5
     w_in, split = merged_in_proj(layer)
-    qkv, fa, ga, b = F.linear(x, w_in).split([3 * p, split[3], split[4], split[5]], -1)
+    y = F.linear(x, w_in)
+    qkv, fa, ga, b = y.split([3 * p, split[3], split[4], split[5]], -1)
     if hasattr(layer, "g_proj"):
         f, gate = layer.f_b_proj(fa), ga
-    else:
-        f, gate = torch.bmm(torch.stack([fa, ga]), merged_fg_b(layer)).unbind(0)
+    else:  # f_a | g_a side by side in y's rows are the two batches of one bmm operand: no stack copy
+        fg_a = y.as_strided((2, t, split[3]), (split[3], y.stride(0), 1), y.storage_offset() + 3 * p)
+        f, gate = torch.bmm(fg_a, merged_fg_b(layer)).unbind(0)
     conv_pool = cache.conv[:, layer.kda_index]
     rec_pool = cache.recurrent[:, layer.kda_index]
     args = (layer.conv_weight, conv_pool, rec_pool, layer.A_log, layer.dt_bias, layer.o_norm_weight)
@@ -59,7 +53,7 @@ def kda_forward_fast(layer, x: torch.Tensor, batch: Batch, cache: CacheTensors) 
     if batch.decode_only:
         out = kda_decode(qkv, f, b, gate, *args, batch.state_slots, batch.fresh_state, scale, layer.eps,
                          layer.lower_bound)
-        return layer.o_proj(out)
+        return linear(out, layer.o_proj.weight)
 
     out = torch.empty(t, p, dtype=x.dtype, device=x.device)
     dec = [i for i, n in enumerate(qlens) if n == 1]
@@ -98,4 +92,4 @@ def kda_forward_fast(layer, x: torch.Tensor, batch: Batch, cache: CacheTensors) 
         out = o
     else:
         out[tok] = o
-    return layer.o_proj(out)
+    return linear(out, layer.o_proj.weight)

@@ -4,15 +4,19 @@ a DSA indexer (K3.1 §4, DeepSeek V3.2 §5, which also rotates the rope slice) s
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from hyserve.models.batch import Batch, CacheTensors, to_device
 from hyserve.models.config import ModelConfig
 from hyserve.models.layers.dsa import Indexer, sparse_mla, token_seq_ids
+from hyserve.models.layers.merged import merged
 from hyserve.models.layers.norm import RMSNorm
 from hyserve.models.layers.rope import Rotary
 from hyserve.ops import mla_attention as mla_ops
+from hyserve.ops.dense_gemv import linear
 from hyserve.ops.dispatch import dsa_fast_path, fast_path, pow2_dims
+from hyserve.ops.mla_cache import write_cache_rows
 
 # q_a_layernorm / kv_a_layernorm use the class default eps, not rms_norm_eps (spec §1.4).
 _LATENT_NORM_EPS = 1e-6
@@ -59,6 +63,11 @@ class MLAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: Batch, cache: CacheTensors) -> torch.Tensor:
         t = x.shape[0]
+        if self._fused_path(x, cache):
+            q, ckv = self._project_fast(x)
+            norm = self.kv_a_layernorm
+            write_cache_rows(ckv, norm.weight, norm.eps, cache.pages, self.mla_index, batch.slot_mapping)
+            return self.project_out(self._attend_fast(q[..., : self.dn], q[..., self.dn :], batch, cache), x)
         # the indexer reads the MLA query latent, so compute it once
         q_lat = self.q_a_layernorm(self.q_a_proj(x)) if self.indexer is not None else None
         q = self.query(x, q_lat)
@@ -109,6 +118,21 @@ class MLAttention(nn.Module):
                 )
         return self.project_out(o, x)
 
+    def _fused_path(self, x: torch.Tensor, cache: CacheTensors) -> bool:
+        """The GPU path with the projections merged and the cache write in one kernel: plain MLA (no rope,
+        no indexer) with power-of-two widths and a cache in the model dtype."""
+        return (self.indexer is None and self.rotary is None and fast_path(x) and pow2_dims(self.rank, self.dr)
+                and cache.pages.dtype == x.dtype)
+
+    def _project_fast(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q [T, H, d_n + d_r], the kv_a output [T, R + d_r]) from one GEMM over q (or q_a) | kv_a."""
+        first = self.q_proj.weight if hasattr(self, "q_proj") else self.q_a_proj.weight
+        y = F.linear(x, merged(self, "_merged_q_kv", [first, self.kv_a_proj_with_mqa.weight]))
+        q, ckv = y.split([first.shape[0], self.rank + self.dr], -1)
+        if not hasattr(self, "q_proj"):
+            q = self.q_b_proj(self.q_a_layernorm(q))
+        return q.view(x.shape[0], self.num_heads, self.dn + self.dr), ckv
+
     def _attend_fast(self, q_nope, q_rope, batch: Batch, cache: CacheTensors) -> torch.Tensor:
         """Triton absorbed decode for one-token sequences, flash SDPA on expanded K/V for the rest."""
         from hyserve.ops.mla_decode import mla_absorbed_decode_fast, mla_prefill_fast
@@ -119,16 +143,17 @@ class MLAttention(nn.Module):
         dec = [i for i, n in enumerate(qlens) if n == 1]
         pre = [i for i, n in enumerate(qlens) if n > 1]
         w = self.kv_b_proj.weight
+        if dec and not pre:  # the decode output is the whole output: no copy into o
+            return mla_absorbed_decode_fast(
+                q_nope, q_rope, cache.pages, self.mla_index, batch.block_tables, batch.context_lens_device,
+                max(ctx), w, self.rank, self.dv, self.scale,
+            )
         if dec:
-            every = len(dec) == len(qlens)
-            idx = None if every else to_device(dec, torch.long, dev)
-            tok = slice(None) if every else batch.cu_seqlens[idx]
-            bt = batch.block_tables if every else batch.block_tables[idx]
-            ctx_d = [ctx[i] for i in dec]
+            idx = to_device(dec, torch.long, dev)
+            tok = batch.cu_seqlens[idx]
             o[tok] = mla_absorbed_decode_fast(
-                q_nope[tok], q_rope[tok], cache.pages, self.mla_index, bt,
-                batch.context_lens_device if every else batch.context_lens_device[idx],
-                max(ctx_d), w, self.rank, self.dv, self.scale,
+                q_nope[tok], q_rope[tok], cache.pages, self.mla_index, batch.block_tables[idx],
+                batch.context_lens_device[idx], max(ctx[i] for i in dec), w, self.rank, self.dv, self.scale,
             )
         if pre:
             cu = batch.cu_seqlens.tolist()
@@ -144,4 +169,4 @@ class MLAttention(nn.Module):
         out = o.to(x.dtype).reshape(x.shape[0], self.num_heads * self.dv)
         if hasattr(self, "g_proj"):
             out = out * torch.sigmoid(self.g_proj(x))
-        return self.o_proj(out)
+        return linear(out, self.o_proj.weight)

@@ -14,6 +14,10 @@ from hyserve.ops.moe_gemv import experts_forward_gemv, shared_fits
 from hyserve.ops.moe_grouped import experts_forward_grouped, grouped_mm_available
 from hyserve.ops.moe_triton import experts_forward_triton
 
+# up to this many tokens the router's GEMM and selection run as one launch (its last program selects
+# for every token, serially)
+FUSED_ROUTER_MAX_TOKENS = 4
+
 
 def _linear(i: int, o: int) -> nn.Linear:
     return nn.Linear(i, o, bias=False)
@@ -44,8 +48,11 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # decode-sized steps on the GPU: the selection in one kernel (ops/router_topk.py); no backward there
         if no_grad_fast_path(x, self.weight) and x.shape[0] <= 64 and (self.n_group == 1 or self.topk_group >= self.n_group):
-            from hyserve.ops.router_topk import route_topk_fast
+            from hyserve.ops.router_topk import route_topk_fast, router_fused
 
+            if x.shape[0] <= FUSED_ROUTER_MAX_TOKENS:
+                return router_fused(x, self.weight, self.e_score_correction_bias, self.top_k, self.renormalize,
+                                    self.scaling)
             logits = x.float() @ self.weight.float().t()
             return route_topk_fast(logits, self.e_score_correction_bias, self.top_k, self.renormalize, self.scaling)
         return moe_ops.route(
