@@ -94,15 +94,35 @@ def _down_kernel(
 
 
 @triton.jit
-def _sum_pairs_kernel(part_ptr, s_pm, out_ptr, s_om, N, PAIRS: tl.constexpr, BLOCK: tl.constexpr):
-    """out[t] = Σ_j part[t·PAIRS + j] in order j = 0, 1, ..., cast to out's dtype."""
-    t = tl.program_id(0)
+def _sum_pairs_kernel(part_ptr, s_pm, out_ptr, s_om, N, wts_ptr, PAIRS: tl.constexpr, BLOCK: tl.constexpr,
+                      WEIGHTED: tl.constexpr):
+    """out[t] = Σ_j part[t·PAIRS + j] (× wts[t·PAIRS + j] with WEIGHTED) in fp32 in order j = 0, 1, ...,
+    cast to out's dtype."""
+    t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < N
     acc = tl.zeros([BLOCK], tl.float32)
     for j in tl.static_range(PAIRS):
-        acc += tl.load(part_ptr + (t * PAIRS + j) * s_pm + cols, mask=m, other=0.0)
+        part = tl.load(part_ptr + (t * PAIRS + j) * s_pm + cols, mask=m, other=0.0).to(tl.float32)
+        if WEIGHTED:
+            part = part * tl.load(wts_ptr + t * PAIRS + j)
+        acc += part
     tl.store(out_ptr + t * s_om + cols, acc.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def sum_pairs(part: torch.Tensor, pairs: int, out_dtype: torch.dtype, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """part [T·pairs, N] -> [T, N]: each token's pairs summed in fp32 in pair order (weighted by weights
+    [T·pairs] fp32 if given), one launch."""
+    n = part.shape[1]
+    t = part.shape[0] // pairs
+    out = torch.empty(t, n, dtype=out_dtype, device=part.device)
+    block = min(1024, triton.next_power_of_2(n))
+    if t:
+        _sum_pairs_kernel[(t, triton.cdiv(n, block))](
+            part, part.stride(0), out, out.stride(0), n, weights if weights is not None else part, PAIRS=pairs,
+            BLOCK=block, WEIGHTED=weights is not None, num_warps=4,
+        )
+    return out
 
 
 def _offset(t: torch.Tensor, base: torch.Tensor) -> int:
@@ -164,9 +184,4 @@ def experts_forward_gemv(
         K_ROUTED=k, SHARED=shared is not None, SILU_GLU=silu, BN=block_n, BK=block_k, num_warps=num_warps,
         num_stages=num_stages,
     )
-    out = torch.empty(t, d, dtype=x.dtype, device=x.device)
-    block = min(1024, triton.next_power_of_2(d))
-    _sum_pairs_kernel[(t, triton.cdiv(d, block))](
-        part, part.stride(0), out, out.stride(0), d, PAIRS=pairs, BLOCK=block, num_warps=4,
-    )
-    return out
+    return sum_pairs(part, pairs, x.dtype)

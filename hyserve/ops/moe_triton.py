@@ -17,15 +17,17 @@ import torch
 import triton
 import triton.language as tl
 
+from hyserve.ops.moe_gemv import sum_pairs
+
 
 @triton.jit
 def _grouped_kernel(
-    a_ptr, s_am, w_ptr, s_we, s_wr, out_ptr, s_om, pair_ptr, tile_expert_ptr, used_ptr, wts_ptr,
+    a_ptr, s_am, w_ptr, s_we, s_wr, out_ptr, s_om, pair_ptr, tile_expert_ptr, used_ptr,
     n_pairs, N, Kdim, a_div,
-    SILU_GLU: tl.constexpr, GLU_OUT: tl.constexpr, SCALE: tl.constexpr, IEEE: tl.constexpr, EVEN: tl.constexpr,
+    SILU_GLU: tl.constexpr, GLU_OUT: tl.constexpr, IEEE: tl.constexpr, EVEN: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
-    """out[p, n] = Σ_c a[p // a_div, c] · w[e, n, c] (× wts[p] with SCALE) for the BM pairs p of this
+    """out[p, n] = Σ_c a[p // a_div, c] · w[e, n, c] for the BM pairs p of this
     tile, e its expert. With SILU_GLU, a row holds gate|up (2·Kdim values) and the SiLU-GLU is applied
     to it first, rounded to a's dtype as the torch GLU rounds it. With GLU_OUT (the up GEMM of large
     batches), w holds gate rows 0..N-1 over up rows N..2N-1 and the tile writes SiLU(gate)·up for its
@@ -78,8 +80,6 @@ def _grouped_kernel(
         g = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
         u = acc_u.to(out_ptr.dtype.element_ty).to(tl.float32)
         acc = g * tl.sigmoid(g) * u
-    if SCALE:
-        acc = acc * tl.load(wts_ptr + pairs, mask=valid, other=0.0)[:, None]
     out = out_ptr + tl.where(valid, pairs, 0).to(tl.int64)[:, None] * s_om + cols_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & nmask[None, :])
 
@@ -191,12 +191,12 @@ def experts_forward_triton(
     pair_of_slot, tile_expert, used = layout(ids, e, block_m)
     tiles = pair_of_slot.numel() // block_m
     wts = weights.reshape(-1).float().contiguous()
-    flags = dict(SCALE=False, IEEE=x.dtype == torch.float32, BM=block_m)
+    flags = dict(IEEE=x.dtype == torch.float32, BM=block_m)
     bn, bk, warps, stages = up
     n_up = inter if fuse_glu else 2 * inter  # output columns: act (GLU fused) or gate|up
     h = torch.empty(n_pairs, n_up, dtype=x.dtype, device=x.device)
     _grouped_kernel[(tiles, triton.cdiv(n_up, bn))](
-        x, x.stride(0), w13, w13.stride(0), w13.stride(1), h, h.stride(0), pair_of_slot, tile_expert, used, wts,
+        x, x.stride(0), w13, w13.stride(0), w13.stride(1), h, h.stride(0), pair_of_slot, tile_expert, used,
         n_pairs, n_up, d, k, SILU_GLU=False, GLU_OUT=fuse_glu, EVEN=n_up % bn == 0 and d % bk == 0,
         BN=bn, BK=bk, num_warps=warps, num_stages=stages, **flags,
     )
@@ -206,12 +206,13 @@ def experts_forward_triton(
         a, glu_on_load = h, True
     else:
         a, glu_on_load = act(h[:, :inter], h[:, inter:]).contiguous(), False
-    out = torch.empty(n_pairs, d, dtype=torch.float32, device=x.device)
+    # each pair's output rounded to x's dtype, then weighted and summed in fp32: the reference's rounding
+    # (its per-expert GEMMs return x's dtype), and half the bytes of fp32 rows at 8K tokens (600 MB/layer)
+    out = torch.empty(n_pairs, d, dtype=x.dtype, device=x.device)
     bn, bk, warps, stages = down
-    flags["SCALE"] = True
     _grouped_kernel[(tiles, triton.cdiv(d, bn))](
-        a, a.stride(0), w2, w2.stride(0), w2.stride(1), out, out.stride(0), pair_of_slot, tile_expert, used, wts,
+        a, a.stride(0), w2, w2.stride(0), w2.stride(1), out, out.stride(0), pair_of_slot, tile_expert, used,
         n_pairs, d, inter, 1, SILU_GLU=glu_on_load, GLU_OUT=False, EVEN=d % bn == 0 and inter % bk == 0,
         BN=bn, BK=bk, num_warps=warps, num_stages=stages, **flags,
     )
-    return out.view(t, k, d).sum(1).to(x.dtype)
+    return sum_pairs(out, k, x.dtype, wts)
