@@ -30,17 +30,25 @@ def _conv_varlen_kernel(
     s = tl.load(seq_ptr + t, mask=tm, other=0)
     start = tl.load(cu_ptr + s, mask=tm, other=0)
     acc = tl.zeros([BT, BC], tl.float32)
-    for j in tl.static_range(W):
-        p = t - (W - 1) + j
-        inside = p >= start
-        m = tm[:, None] & cm[None, :]
-        xv = tl.load(x_ptr + tl.maximum(p, 0).to(tl.int64)[:, None] * s_xt + c[None, :],
-                     mask=m & inside[:, None], other=0.0)
-        ti = tl.minimum(tl.maximum(p - start + (W - 1), 0), W - 2)  # clamped: no lane addresses outside the tail
-        tv = tl.load(tails_ptr + s.to(tl.int64)[:, None] * s_tn + c[None, :] * s_tc + ti[:, None] * s_tw,
-                     mask=m & (~inside)[:, None], other=0.0)
-        v = tl.where(inside[:, None], xv.to(tl.float32), tv.to(x_ptr.dtype.element_ty).to(tl.float32))
-        acc += v * tl.load(w_ptr + c * W + j, mask=cm, other=0.0)[None, :]
+    m = tm[:, None] & cm[None, :]
+    rows = x_ptr + t.to(tl.int64)[:, None] * s_xt + c[None, :]
+    if tl.min(tl.where(tm, t - start, W), axis=0) >= W - 1:
+        # every window of the tile lies inside its sequence (all tiles but a sequence's first): plain
+        # shifted row loads, no tail addressing
+        for j in tl.static_range(W):
+            xv = tl.load(rows - (W - 1 - j) * s_xt, mask=m, other=0.0)
+            acc += xv.to(tl.float32) * tl.load(w_ptr + c * W + j, mask=cm, other=0.0)[None, :]
+    else:
+        for j in tl.static_range(W):
+            p = t - (W - 1) + j
+            inside = p >= start
+            xv = tl.load(x_ptr + tl.maximum(p, 0).to(tl.int64)[:, None] * s_xt + c[None, :],
+                         mask=m & inside[:, None], other=0.0)
+            ti = tl.minimum(tl.maximum(p - start + (W - 1), 0), W - 2)  # clamped: no lane addresses outside the tail
+            tv = tl.load(tails_ptr + s.to(tl.int64)[:, None] * s_tn + c[None, :] * s_tc + ti[:, None] * s_tw,
+                         mask=m & (~inside)[:, None], other=0.0)
+            v = tl.where(inside[:, None], xv.to(tl.float32), tv.to(x_ptr.dtype.element_ty).to(tl.float32))
+            acc += v * tl.load(w_ptr + c * W + j, mask=cm, other=0.0)[None, :]
     y = acc * tl.sigmoid(acc)
     tl.store(y_ptr + t.to(tl.int64)[:, None] * s_yt + c[None, :], y.to(y_ptr.dtype.element_ty),
              mask=tm[:, None] & cm[None, :])
@@ -60,7 +68,7 @@ def new_conv_tails(x: torch.Tensor, cu_seqlens: torch.Tensor, tails: torch.Tenso
 
 def causal_conv_varlen_triton(
     x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, tails: torch.Tensor,
-    block_t: int = 32, block_c: int = 128, num_warps: int = 4,
+    block_t: int = 64, block_c: int = 128, num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`causal_conv_varlen`: x [T, C] (unit stride in C), weight [C, W], cu_seqlens [N+1] long on x's device,
     tails [N, C, W-1]. Returns (SiLU(conv) [T, C] and the new tails [N, C, W-1], both in x's dtype)."""

@@ -11,7 +11,8 @@ from hyserve.models.batch import Batch, CacheTensors, to_device
 from hyserve.models.layers.merged import merged
 from hyserve.ops.dense_gemv import linear
 from hyserve.ops.kda_conv import causal_conv_varlen_triton
-from hyserve.ops.kda_decode import gated_rms_norm_heads, kda_decode
+from hyserve.ops.kda_decode import kda_decode
+from hyserve.ops.kda_out_norm import gated_rms_norm_rows
 from hyserve.ops.kda_prefill import chunk_kda_varlen
 
 
@@ -87,7 +88,7 @@ def kda_forward_fast(layer, x: torch.Tensor, batch: Batch, cache: CacheTensors) 
     )
     conv_pool[slots] = new_tails.to(conv_pool.dtype)
     rec_pool[slots] = final
-    o = gated_rms_norm_heads(o.contiguous(), rows(gate), layer.o_norm_weight, layer.eps, x.dtype)
+    o = gated_rms_norm_rows(o.contiguous(), rows(gate), layer.o_norm_weight, layer.eps, x.dtype)
     if tok is None:
         out = o
     else:
