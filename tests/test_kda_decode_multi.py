@@ -133,6 +133,45 @@ def test_multi_token_launch_equals_single_token_launches(dec, lower_bound):
     assert torch.equal(c["rec"], one["rec"]) and torch.equal(c["conv"], one["conv"])
 
 
+def _decode(dec, c: dict, t: int, lower_bound: float | None, block_v: int, fused_finish: bool) -> torch.Tensor:
+    return dec.kda_decode_multi(c["x"], c["f"], c["b"], c["gate"], c["cw"], c["conv"][:, 1], c["rec"][:, 1],
+                                c["alog"], c["dtb"], c["onw"], c["slots"], c["fresh"], K**-0.5, EPS, lower_bound,
+                                t, block_v=block_v, fused_finish=fused_finish)
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "bounded"])
+@pytest.mark.parametrize(("t", "block_v"), [(1, 4), (3, 4), (2, 16)], ids=["t1-4blocks", "t3-4blocks", "t2-1block"])
+def test_fused_finish_equals_the_finish_launch_and_leaves_its_counters_zero(dec, t, block_v, lower_bound):
+    """The norm applied by each head's last-arriving state program equals the separate finish launch, for
+    every token of the head (K // block_v programs per head). Two calls in a row: the second runs on the
+    counters the first left behind (a stale count would skip or misplace the norm) and on the states it
+    wrote, as the next decode step or graph replay does."""
+    c = make_case(3, t, [False, True, False], seed=31 + t)
+    three = {k: v.clone() for k, v in c.items()}
+    for step in range(2):
+        out = _decode(dec, c, t, lower_bound, block_v, fused_finish=True)
+        want = _decode(dec, three, t, lower_bound, block_v, fused_finish=False)
+        assert torch.isfinite(want).all()
+        assert torch.equal(out, want), step  # both run `_gated_norm_rows` on the same raw rows
+        assert torch.equal(c["rec"], three["rec"]) and torch.equal(c["conv"], three["conv"])
+        counters = dec._ARRIVALS[torch.device("cpu")]
+        assert all(int(buf.count_nonzero()) == 0 for buf in counters)
+        for case in (c, three):
+            case["fresh"] = torch.zeros_like(case["fresh"])  # the slots hold a state now
+            case["x"] = case["x"].roll(1, 0)  # other tokens: the second output must not repeat the first
+
+
+def test_arrival_counters_grow_and_keep_the_old_buffers(dec):
+    """A captured graph keeps the address it was captured with: growing must not free a buffer."""
+    cpu = torch.device("cpu")
+    first = dec._arrival_counters(1, cpu)
+    assert first.dtype == torch.int32 and first.numel() >= dec._MIN_ARRIVALS
+    assert dec._arrival_counters(first.numel(), cpu) is first
+    grown = dec._arrival_counters(first.numel() + 1, cpu)
+    assert grown.numel() >= 2 * first.numel() and int(grown.count_nonzero()) == 0
+    assert any(buf is first for buf in dec._ARRIVALS[cpu]) and dec._arrival_counters(5, cpu) is grown
+
+
 def test_rejects_rows_not_a_multiple_of_tokens_per_seq(dec):
     c = make_case(1, 5, [False], seed=1)
     with pytest.raises(AssertionError):

@@ -1,4 +1,4 @@
-"""Fused KDA decode as three Triton launches (DESIGN.md §6; math: spec/models.md §2.4, §3.3).
+"""Fused KDA decode as two Triton launches (DESIGN.md §6; math: spec/models.md §2.4, §3.3).
 
 Each of N sequences brings the same number T of new tokens (T = 1: plain decode; T > 1: e.g. verifying
 T-1 speculative draft tokens + 1), token rows sequence-major: sequence n owns rows n*T .. n*T+T-1.
@@ -12,8 +12,11 @@ T-1 speculative draft tokens + 1), token rows sequence-major: sequence n owns ro
    fused recurrent kernel uses one warp on 8 rows) keep enough state in flight to run near copy
    bandwidth; when it also recomputed the conv, every row block repeated it and the kernel sat at
    46% of copy at batch 64.
-3. The finish kernel, one program per (sequence, head), applies the gated RMSNorm, which needs the whole
-   row.
+   The gated RMSNorm needs the head's whole output row, which no single program has: each program writes
+   its raw fp32 rows to a scratch and counts itself in on a per-(sequence, head) arrival counter, and the
+   program that arrives last normalises all T tokens of the head and sets the counter back to zero. A
+   third launch for the norm (the finish kernel, still used by `gated_rms_norm_heads` and selectable
+   with `fused_finish=False`) cost about 8 µs of launch gap and small-kernel tail per call at batch 64.
 The state is the bulk of the bytes: read once and written once per sequence, whatever T.
 """
 
@@ -97,11 +100,30 @@ def _kda_prep_kernel(
 
 
 @triton.jit
+def _gated_norm_rows(
+    gate_ptr, s_gn, onorm_ptr, o_ptr, out_ptr, s_on, row0, h, P, eps,
+    T: tl.constexpr, K: tl.constexpr, CACHE: tl.constexpr,
+):
+    """Gated RMSNorm of head h's raw fp32 output in rows row0 .. row0+T-1 (one source for both paths, so
+    they do the same arithmetic)."""
+    offs = tl.arange(0, K)
+    wn = tl.load(onorm_ptr + offs)
+    for t in range(T):
+        r = row0 + t
+        o = tl.load(o_ptr + r * P + h * K + offs, cache_modifier=CACHE)
+        gate = tl.load(gate_ptr + r * s_gn + h * K + offs).to(tl.float32)
+        o = o * tl.rsqrt(tl.sum(o * o, axis=0) / K + eps) * wn * tl.sigmoid(gate)
+        tl.store(out_ptr + r * s_on + h * K + offs, o.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
 def _kda_state_kernel(
     qkvg_ptr, beta_ptr, rec_ptr, s_rs, s_rh, s_rv, s_rk, slots_ptr, fresh_ptr, o_ptr, P, H,
-    T: tl.constexpr, K: tl.constexpr, BV: tl.constexpr,
+    gate_ptr, s_gn, onorm_ptr, out_ptr, s_on, arrivals_ptr, eps,
+    T: tl.constexpr, K: tl.constexpr, BV: tl.constexpr, FUSED: tl.constexpr,
 ):
-    """Program (n, h, vb): rows vb*BV.. of head h's state over the sequence's T tokens."""
+    """Program (n, h, vb): rows vb*BV.. of head h's state over the sequence's T tokens; with FUSED, the
+    last of the head's programs to arrive also applies the gated RMSNorm to all T tokens of the head."""
     n = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -123,7 +145,30 @@ def _kda_state_kernel(
         pred = tl.sum(m * k[None, :], axis=1)
         m = m + (beta * (v - pred))[:, None] * k[None, :]
         tl.store(o_ptr + r * P + h * K + rows, tl.sum(m * q[None, :], axis=1))
-    tl.store(sp, m)
+    if FUSED:
+        # One thread performs the scalar atomic. The barrier puts every thread's output stores before it,
+        # and its release (cumulative through the barrier) publishes them at GPU scope. The head's
+        # increments form one read-modify-write chain, so the acquire of the arrival that reads the
+        # count of all the others synchronises with every earlier release, and the result's broadcast
+        # to the other threads (shared memory + barrier) carries that on to their reads below. The
+        # barrier is explicit because older Triton versions (>= 3.2 is allowed) insert none for release
+        # semantics (3.9 does: the PTX then has two in a row, which costs next to nothing). Only the output
+        # rows need publishing: the state is stored after the arrival, so the release need not wait
+        # for that write.
+        tl.debug_barrier()
+        arrivals = arrivals_ptr + n * H + h
+        before = tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu")
+        tl.store(sp, m)
+        if before == tl.num_programs(2) - 1:
+            # every other program of the head has arrived; its rows are read from L2 (".cg"), as a line
+            # of this SM's L1 could predate them
+            tl.debug_barrier()
+            _gated_norm_rows(gate_ptr, s_gn, onorm_ptr, o_ptr, out_ptr, s_on, n * T, h, P, eps, T, K, ".cg")
+            # nobody else touches the counter in this launch, and the next launch on the stream (eager
+            # or a graph replay) starts after this one ends: a plain store leaves it zero for that one
+            tl.store(arrivals, 0)
+    else:
+        tl.store(sp, m)
 
 
 @triton.jit
@@ -133,14 +178,30 @@ def _kda_finish_kernel(
     """Program (n, h): gated RMSNorm of the head's output for each token."""
     n = tl.program_id(0)
     h = tl.program_id(1)
-    offs = tl.arange(0, K)
-    wn = tl.load(onorm_ptr + offs)
-    for t in range(T):
-        r = n * T + t
-        o = tl.load(o_ptr + r * P + h * K + offs)
-        gate = tl.load(gate_ptr + r * s_gn + h * K + offs).to(tl.float32)
-        o = o * tl.rsqrt(tl.sum(o * o, axis=0) / K + eps) * wn * tl.sigmoid(gate)
-        tl.store(out_ptr + r * s_on + h * K + offs, o.to(out_ptr.dtype.element_ty))
+    _gated_norm_rows(gate_ptr, s_gn, onorm_ptr, o_ptr, out_ptr, s_on, n * T, h, P, eps, T, K, "")
+
+
+# int32 arrival counters per device, zero between launches (each launch's last arrivals reset theirs).
+# Captured CUDA graphs hold a buffer's address for good, so a buffer is never freed: growing appends a
+# larger one. 64K counters cover batch 2048 at 32 heads.
+_ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}
+_MIN_ARRIVALS = 1 << 16
+
+
+def _arrival_counters(count: int, device: torch.device) -> torch.Tensor:
+    """At least `count` int32 arrival counters on device, all zero at the launch that gets them (stream
+    order: launches on one stream never overlap, and every launch that uses them leaves them zero)."""
+    bufs = _ARRIVALS.setdefault(device, [])
+    if bufs and bufs[-1].numel() >= count:
+        return bufs[-1]
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        # A buffer made now would be zeroed only when the graph replays, so it cannot be shared with
+        # eager calls: this launch gets its own, zeroed by a fill captured with it (a memset per
+        # replay; the eager warm-up before a capture normally grows the shared buffer first).
+        return torch.zeros(count, dtype=torch.int32, device=device)
+    bufs.append(torch.zeros(max(count, _MIN_ARRIVALS, 2 * bufs[-1].numel() if bufs else 0), dtype=torch.int32,
+                            device=device))
+    return bufs[-1]
 
 
 def kda_decode_multi(
@@ -148,6 +209,7 @@ def kda_decode_multi(
     conv_pool: torch.Tensor, rec_pool: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
     o_norm_weight: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor, scale: float, eps: float,
     lower_bound: float | None, tokens_per_seq: int, num_warps: int | None = None, block_v: int | None = None,
+    fused_finish: bool = True,
 ) -> torch.Tensor:
     """T = tokens_per_seq new tokens for each of N sequences (rows sequence-major, N*T in all): T recurrent
     steps per sequence, as T calls of `kda_decode` would make them. Updates the slots in place (state and
@@ -156,6 +218,9 @@ def kda_decode_multi(
     x [N*T, 3P] pre-conv q|k|v; f [N*T, P] raw gate input; b [N*T, H] β logits; gate [N*T, P] output-gate
     logits (each may be a column slice of a wider projection: only the last dim must be unit-stride);
     slots, fresh [N]; conv_pool [slots, 3P, W-1] and rec_pool [slots, H, V, K] are this layer's views.
+    fused_finish=False runs the output norm as a third launch (the former path, kept to compare against).
+    Calls on one device must not overlap in time (one stream, as the engine runs them): they share the
+    arrival counters.
     """
     t = tokens_per_seq
     h, kd = rec_pool.shape[1], rec_pool.shape[-1]
@@ -183,11 +248,15 @@ def kda_decode_multi(
         a_log, dt_bias, slots, fresh, qkvg, beta, p, h, scale, 0.0 if lower_bound is None else float(lower_bound),
         T=t, K=kd, W=w, WP=wp, BOUNDED=lower_bound is not None, num_warps=4,
     )
+    arrivals = _arrival_counters(n * h, x.device) if fused_finish else o_raw  # unused without fused_finish
     _kda_state_kernel[(n, h, triton.cdiv(kd, bv))](
-        qkvg, beta, rec_pool, *rec_pool.stride(), slots, fresh, o_raw, p, h, T=t, K=kd, BV=bv, num_warps=num_warps,
+        qkvg, beta, rec_pool, *rec_pool.stride(), slots, fresh, o_raw, p, h,
+        gate, gate.stride(0), o_norm_weight, out, out.stride(0), arrivals, eps,
+        T=t, K=kd, BV=bv, FUSED=fused_finish, num_warps=num_warps,
     )
-    _kda_finish_kernel[(n, h)](gate, gate.stride(0), o_norm_weight, o_raw, out, out.stride(0), p, eps, T=t, K=kd,
-                               num_warps=4)
+    if not fused_finish:
+        _kda_finish_kernel[(n, h)](gate, gate.stride(0), o_norm_weight, o_raw, out, out.stride(0), p, eps, T=t, K=kd,
+                                   num_warps=4)
     return out
 
 
@@ -195,7 +264,7 @@ def kda_decode(
     x: torch.Tensor, f: torch.Tensor, b: torch.Tensor, gate: torch.Tensor, conv_weight: torch.Tensor,
     conv_pool: torch.Tensor, rec_pool: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
     o_norm_weight: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor, scale: float, eps: float,
-    lower_bound: float | None, num_warps: int | None = None, block_v: int | None = None,
+    lower_bound: float | None, num_warps: int | None = None, block_v: int | None = None, fused_finish: bool = True,
 ) -> torch.Tensor:
     """One token for each of N sequences; updates the slots in place, returns the normed output [N, P].
 
@@ -204,7 +273,7 @@ def kda_decode(
     conv_pool [slots, 3P, W-1] and rec_pool [slots, H, V, K] are this layer's views of the pools.
     """
     return kda_decode_multi(x, f, b, gate, conv_weight, conv_pool, rec_pool, a_log, dt_bias, o_norm_weight, slots,
-                            fresh, scale, eps, lower_bound, 1, num_warps, block_v)
+                            fresh, scale, eps, lower_bound, 1, num_warps, block_v, fused_finish)
 
 
 def gated_rms_norm_heads(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -29,9 +29,10 @@ def _params(gen):
     )
 
 
+@pytest.mark.parametrize("fused_finish", [True, False], ids=["two-launches", "three-launches"])
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
 @pytest.mark.parametrize("n", [1, 7, 64, 300])
-def test_decode_kernel_matches_reference(lower_bound, n):
+def test_decode_kernel_matches_reference(lower_bound, n, fused_finish):
     from hyserve.ops.kda_decode import kda_decode
 
     gen = torch.Generator("cuda").manual_seed(n)
@@ -60,7 +61,7 @@ def test_decode_kernel_matches_reference(lower_bound, n):
 
     untouched = conv[:, 0].clone(), rec[:, 0].clone()
     out = kda_decode(x, f, b, gate, pr["cw"], conv[:, 1], rec[:, 1], pr["alog"], pr["dtb"], pr["onw"], slots,
-                     fresh, K**-0.5, 1e-5, lower_bound)
+                     fresh, K**-0.5, 1e-5, lower_bound, fused_finish=fused_finish)
     torch.cuda.synchronize()
     assert rel_err(out, o_ref) < 1e-2
     assert rel_err(rec[slots, 1], new_st) < 1e-2  # q/k/v are rounded to bf16: an ulp flip moves the state ~1e-3
@@ -153,3 +154,57 @@ def test_multi_token_decode_kernel_matches_reference(lower_bound, n, t):
     assert torch.equal(conv[slots, 1].double(), tails.to(bf).double())
     assert torch.equal(conv[:, 0], untouched[0]) and torch.equal(rec[:, 0], untouched[1])
     assert torch.equal(conv[others, 1], untouched[2]) and torch.equal(rec[others, 1], untouched[3])
+
+
+@pytest.mark.parametrize("capture_allocates", [False, True], ids=["shared-counters", "counters-in-graph"])
+@pytest.mark.parametrize(("n", "t"), [(3, 1), (64, 1), (64, 4), (300, 1)])
+def test_fused_finish_under_graph_replay_equals_the_finish_launch(n, t, capture_allocates, monkeypatch):
+    """Replays of one captured graph reuse the same arrival counters: each replay, over new inputs and the
+    states the one before wrote, gives what the three-launch path gives eagerly, and leaves the counters
+    zero for the next. counters-in-graph: no shared buffer is big enough at capture, so the launch gets
+    counters zeroed inside the graph."""
+    from hyserve.ops import kda_decode as dec
+
+    gen = torch.Generator("cuda").manual_seed(10 * n + t)
+    dev, bf = "cuda", torch.bfloat16
+    pr = _params(gen)
+    slots_total = n + 5
+    x, f, gate = (torch.empty(n * t, c, device=dev, dtype=bf) for c in (3 * P, P, P))
+    b = torch.empty(n * t, H, device=dev, dtype=bf)
+    conv = torch.randn(slots_total, 3 * P, W - 1, device=dev, generator=gen).to(bf)
+    rec = torch.randn(slots_total, H, K, K, device=dev, generator=gen) * 0.1
+    slots = torch.randperm(slots_total, device=dev, generator=gen)[:n]
+    fresh = torch.zeros(n, dtype=torch.bool, device=dev)
+
+    def decode(conv_: torch.Tensor, rec_: torch.Tensor, fused: bool) -> torch.Tensor:
+        return dec.kda_decode_multi(x, f, b, gate, pr["cw"], conv_, rec_, pr["alog"], pr["dtb"], pr["onw"], slots,
+                                    fresh, K**-0.5, 1e-5, None, t, fused_finish=fused)
+
+    for y in (x, f, b, gate):
+        y.copy_(torch.randn(y.shape, device=dev, generator=gen))
+    side = torch.cuda.Stream()  # compiles and counter growth outside the capture, as torch.cuda.graph expects
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        decode(conv.clone(), rec.clone(), True)
+    torch.cuda.current_stream().wait_stream(side)
+    if capture_allocates:
+        monkeypatch.setattr(dec, "_ARRIVALS", {})
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode(conv, rec, True)
+    shared = dec._ARRIVALS.get(x.device, [])
+    assert not capture_allocates or not shared  # a capture must not cache counters only the graph zeroes
+    monkeypatch.undo()
+
+    conv_ref, rec_ref = conv.clone(), rec.clone()
+    for step in range(3):
+        for y in (x, f, b, gate):
+            y.copy_(torch.randn(y.shape, device=dev, generator=gen))
+        fresh.copy_(torch.rand(n, device=dev, generator=gen) < (0.3 if step == 1 else 0.0))
+        want = decode(conv_ref, rec_ref, False)
+        graph.replay()
+        torch.cuda.synchronize()
+        # the same raw rows; the norm's sum may reduce in another order (other warp counts): bf16 ulps at most
+        assert rel_err(out, want) < 2e-3, step
+        assert rel_err(rec, rec_ref) < 1e-6 and torch.equal(conv, conv_ref), step
+        assert all(int(buf.count_nonzero()) == 0 for buf in dec._ARRIVALS.get(x.device, [])), step
