@@ -22,7 +22,8 @@ from hyserve.models.layers.activation import GLU
 from hyserve.models.layers.norm import gated_rms_norm
 from hyserve.ops import moe as moe_ref
 from hyserve.ops.kda_conv import causal_conv_varlen_triton
-from hyserve.ops.kda_decode import gated_rms_norm_heads, kda_decode, kda_decode_multi
+from hyserve.ops.kda_decode import kda_decode, kda_decode_multi
+from hyserve.ops.kda_out_norm import gated_rms_norm_rows
 from hyserve.ops.kda_prefill import causal_conv_varlen
 from hyserve.ops.mla_decode import mla_absorbed_decode_fast, mla_decode_latent
 from hyserve.ops.moe_gemv import experts_forward_gemv
@@ -191,7 +192,7 @@ def kda_prefill_rows(ceil, gen) -> list[str]:
         g = torch.randn(t, p, device="cuda", generator=gen).to(torch.bfloat16)
         wn = torch.ones(k, device="cuda")
         ms_t = time_ms(lambda: gated_rms_norm(o, g.view(t, h, k), wn, 1e-5).reshape(t, p).to(torch.bfloat16), 2, 10)
-        ms_k = time_ms(lambda: gated_rms_norm_heads(o, g, wn, 1e-5, torch.bfloat16), 2, 10)
+        ms_k = time_ms(lambda: gated_rms_norm_rows(o, g, wn, 1e-5, torch.bfloat16), 2, 10)
         byts = 3 * o.numel() * 2
         floor = byts / (ceil["copy_tbs"] * 1e12) * 1e3
         rows.append(f"| KDA prefill gated norm, {t} tokens | {ms_k * 1e3:.1f} µs | {byts / 1e6:.1f} MB | "

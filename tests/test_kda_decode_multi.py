@@ -17,6 +17,7 @@ import torch
 from interpret_util import INTERPRETED
 
 from hyserve.models.layers.norm import gated_rms_norm, l2_normalize
+from hyserve.ops import arrival
 from hyserve.ops import kda as ref
 
 pytestmark = INTERPRETED
@@ -154,35 +155,14 @@ def test_fused_finish_equals_the_finish_launch_and_leaves_its_counters_zero(dec,
         assert torch.isfinite(want).all()
         assert torch.equal(out, want), step  # both run `_gated_norm_rows` on the same raw rows
         assert torch.equal(c["rec"], three["rec"]) and torch.equal(c["conv"], three["conv"])
-        counters = dec._ARRIVALS[torch.device("cpu")]
+        counters = arrival._BUFFERS[torch.device("cpu")]
         assert all(int(buf.count_nonzero()) == 0 for buf in counters)
         for case in (c, three):
             case["fresh"] = torch.zeros_like(case["fresh"])  # the slots hold a state now
             case["x"] = case["x"].roll(1, 0)  # other tokens: the second output must not repeat the first
 
 
-def test_arrival_counters_grow_and_keep_the_old_buffers(dec):
-    """A captured graph keeps the address it was captured with: growing must not free a buffer."""
-    cpu = torch.device("cpu")
-    first = dec._arrival_counters(1, cpu)
-    assert first.dtype == torch.int32 and first.numel() >= dec._MIN_ARRIVALS
-    assert dec._arrival_counters(first.numel(), cpu) is first
-    grown = dec._arrival_counters(first.numel() + 1, cpu)
-    assert grown.numel() >= 2 * first.numel() and int(grown.count_nonzero()) == 0
-    assert any(buf is first for buf in dec._ARRIVALS[cpu]) and dec._arrival_counters(5, cpu) is grown
-
-
 def test_rejects_rows_not_a_multiple_of_tokens_per_seq(dec):
     c = make_case(1, 5, [False], seed=1)
     with pytest.raises(AssertionError):
         run_multi(dec, c, 3, None)
-
-
-def test_the_prefill_gated_norm_matches_the_torch_norm(dec):
-    gen = torch.Generator().manual_seed(11)
-    o = torch.randn(7, 2, 16, generator=gen)
-    gate = torch.randn(7, 40, generator=gen)[:, 3:35]  # a column slice, as of the merged input projection
-    weight = torch.rand(16, generator=gen) + 0.5
-    got = dec.gated_rms_norm_heads(o, gate, weight, 1e-5, torch.float32)
-    want = gated_rms_norm(o, gate.reshape(7, 2, 16), weight, 1e-5).reshape(7, 32)
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

@@ -1,30 +1,35 @@
 """Arrival counters for kernels whose last program finishes the work (a "last block" reduction).
 
 Programs of such a kernel write their partial results, then add 1 to a counter with acquire-release
-order; the program that sees the count reach the grid size reads every partial result back and
-finishes, and sets the counter to 0 again. That saves the launch a second kernel would cost, which
-inside a decode step's CUDA graph is several µs for a few KB of work. Kernels on one stream run one
-after another, so every such kernel can share the same counters; a captured graph replays with the
-same addresses, so the buffers are allocated once, before capture, and never freed.
+order after a block barrier; the program that sees the count reach the number of contributors reads
+the results back (skipping L1, which is not coherent across SMs) and finishes, then sets the counter
+to 0 again. That saves the launch a second kernel would cost, which inside a decode step's CUDA graph
+is several µs for a few KB of work (the KDA output norm, the router's selection).
+
+Launches on one stream never overlap, and each leaves its counters zero, so all such kernels on a
+device share one buffer. Calls on one device must therefore not run concurrently (the engine uses one
+stream). A captured graph holds a buffer's address for good, so a buffer is never freed: growing adds a
+larger one.
 """
 
 from __future__ import annotations
 
 import torch
 
-_buffers: dict[torch.device, torch.Tensor] = {}
-_retired: list[torch.Tensor] = []  # grown-out buffers stay alive: a captured graph may still point at one
+_BUFFERS: dict[torch.device, list[torch.Tensor]] = {}
+_MIN = 1 << 16  # batch 2048 at 32 KDA heads
 
 
-def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    """n zeroed int32 counters on device that every kernel leaves zeroed again."""
+def arrival_counters(device: torch.device | str, count: int) -> torch.Tensor:
+    """At least `count` int32 counters on device, all zero at the launch that gets them."""
     device = torch.device(device)
-    buf = _buffers.get(device)
-    if buf is None or buf.numel() < n:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("arrival counters must be allocated before CUDA graph capture: run one step first")
-        if buf is not None:
-            _retired.append(buf)
-        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _buffers[device] = buf
-    return buf[:n]
+    bufs = _BUFFERS.setdefault(device, [])
+    if bufs and bufs[-1].numel() >= count:
+        return bufs[-1]
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        # a buffer made now is zeroed only when the graph replays, so it cannot be shared with eager
+        # calls: this launch gets its own, zeroed by a fill captured with it (the eager warm-up before
+        # a capture normally grows the shared buffer first)
+        return torch.zeros(count, dtype=torch.int32, device=device)
+    bufs.append(torch.zeros(max(count, _MIN, 2 * bufs[-1].numel() if bufs else 0), dtype=torch.int32, device=device))
+    return bufs[-1]

@@ -15,7 +15,7 @@ T-1 speculative draft tokens + 1), token rows sequence-major: sequence n owns ro
    The gated RMSNorm needs the head's whole output row, which no single program has: each program writes
    its raw fp32 rows to a scratch and counts itself in on a per-(sequence, head) arrival counter, and the
    program that arrives last normalises all T tokens of the head and sets the counter back to zero. A
-   third launch for the norm (the finish kernel, still used by `gated_rms_norm_heads` and selectable
+   third launch for the norm (the finish kernel, still selectable
    with `fused_finish=False`) cost about 8 µs of launch gap and small-kernel tail per call at batch 64.
 The state is the bulk of the bytes: read once and written once per sequence, whatever T.
 """
@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from hyserve.ops.arrival import arrival_counters
 
 
 @triton.jit
@@ -181,29 +183,6 @@ def _kda_finish_kernel(
     _gated_norm_rows(gate_ptr, s_gn, onorm_ptr, o_ptr, out_ptr, s_on, n * T, h, P, eps, T, K, "")
 
 
-# int32 arrival counters per device, zero between launches (each launch's last arrivals reset theirs).
-# Captured CUDA graphs hold a buffer's address for good, so a buffer is never freed: growing appends a
-# larger one. 64K counters cover batch 2048 at 32 heads.
-_ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}
-_MIN_ARRIVALS = 1 << 16
-
-
-def _arrival_counters(count: int, device: torch.device) -> torch.Tensor:
-    """At least `count` int32 arrival counters on device, all zero at the launch that gets them (stream
-    order: launches on one stream never overlap, and every launch that uses them leaves them zero)."""
-    bufs = _ARRIVALS.setdefault(device, [])
-    if bufs and bufs[-1].numel() >= count:
-        return bufs[-1]
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        # A buffer made now would be zeroed only when the graph replays, so it cannot be shared with
-        # eager calls: this launch gets its own, zeroed by a fill captured with it (a memset per
-        # replay; the eager warm-up before a capture normally grows the shared buffer first).
-        return torch.zeros(count, dtype=torch.int32, device=device)
-    bufs.append(torch.zeros(max(count, _MIN_ARRIVALS, 2 * bufs[-1].numel() if bufs else 0), dtype=torch.int32,
-                            device=device))
-    return bufs[-1]
-
-
 def kda_decode_multi(
     x: torch.Tensor, f: torch.Tensor, b: torch.Tensor, gate: torch.Tensor, conv_weight: torch.Tensor,
     conv_pool: torch.Tensor, rec_pool: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
@@ -248,7 +227,7 @@ def kda_decode_multi(
         a_log, dt_bias, slots, fresh, qkvg, beta, p, h, scale, 0.0 if lower_bound is None else float(lower_bound),
         T=t, K=kd, W=w, WP=wp, BOUNDED=lower_bound is not None, num_warps=4,
     )
-    arrivals = _arrival_counters(n * h, x.device) if fused_finish else o_raw  # unused without fused_finish
+    arrivals = arrival_counters(x.device, n * h) if fused_finish else o_raw  # unused without fused_finish
     _kda_state_kernel[(n, h, triton.cdiv(kd, bv))](
         qkvg, beta, rec_pool, *rec_pool.stride(), slots, fresh, o_raw, p, h,
         gate, gate.stride(0), o_norm_weight, out, out.stride(0), arrivals, eps,
@@ -274,17 +253,3 @@ def kda_decode(
     """
     return kda_decode_multi(x, f, b, gate, conv_weight, conv_pool, rec_pool, a_log, dt_bias, o_norm_weight, slots,
                             fresh, scale, eps, lower_bound, 1, num_warps, block_v, fused_finish)
-
-
-def gated_rms_norm_heads(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
-                         dtype: torch.dtype) -> torch.Tensor:
-    """`norm.gated_rms_norm` of o [R, H, K] (contiguous) with gate logits [R, H*K] (unit stride in the last
-    dim), cast to dtype, as the finish kernel computes it: one pass instead of about eight fp32 torch
-    kernels over the rows (the prefill path's KDA output norm)."""
-    r, h, k = o.shape
-    assert o.is_contiguous() and gate.stride(-1) == 1 and gate.shape == (r, h * k)
-    out = torch.empty(r, h * k, dtype=dtype, device=o.device)
-    if r:
-        _kda_finish_kernel[(r, h)](gate, gate.stride(0), weight, o, out, out.stride(0), h * k, eps, T=1, K=k,
-                                   num_warps=1)
-    return out

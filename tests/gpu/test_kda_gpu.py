@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hyserve.models.layers.norm import gated_rms_norm, l2_normalize
+from hyserve.ops import arrival
 from hyserve.ops import kda as ref
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -188,11 +189,11 @@ def test_fused_finish_under_graph_replay_equals_the_finish_launch(n, t, capture_
         decode(conv.clone(), rec.clone(), True)
     torch.cuda.current_stream().wait_stream(side)
     if capture_allocates:
-        monkeypatch.setattr(dec, "_ARRIVALS", {})
+        monkeypatch.setattr(arrival, "_BUFFERS", {})
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = decode(conv, rec, True)
-    shared = dec._ARRIVALS.get(x.device, [])
+    shared = arrival._BUFFERS.get(x.device, [])
     assert not capture_allocates or not shared  # a capture must not cache counters only the graph zeroes
     monkeypatch.undo()
 
@@ -207,4 +208,4 @@ def test_fused_finish_under_graph_replay_equals_the_finish_launch(n, t, capture_
         # the same raw rows; the norm's sum may reduce in another order (other warp counts): bf16 ulps at most
         assert rel_err(out, want) < 2e-3, step
         assert rel_err(rec, rec_ref) < 1e-6 and torch.equal(conv, conv_ref), step
-        assert all(int(buf.count_nonzero()) == 0 for buf in dec._ARRIVALS.get(x.device, [])), step
+        assert all(int(buf.count_nonzero()) == 0 for buf in arrival._BUFFERS.get(x.device, [])), step
