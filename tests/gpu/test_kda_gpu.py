@@ -209,3 +209,16 @@ def test_fused_finish_under_graph_replay_equals_the_finish_launch(n, t, capture_
         assert rel_err(out, want) < 2e-3, step
         assert rel_err(rec, rec_ref) < 1e-6 and torch.equal(conv, conv_ref), step
         assert all(int(buf.count_nonzero()) == 0 for buf in arrival._BUFFERS.get(x.device, [])), step
+
+
+def test_prefill_output_norm_kernel_matches_the_fp32_norm():
+    """48B head shape, bf16 fla output and a gate slice of the merged projection, 1000 tokens."""
+    from hyserve.ops.kda_out_norm import gated_rms_norm_rows
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    o = torch.randn(1000, 32, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    gate = torch.randn(1000, 5000, device="cuda", generator=gen).to(torch.bfloat16)[:, 100:4196]
+    w = torch.rand(128, device="cuda", generator=gen) + 0.5
+    want = gated_rms_norm(o, gate.reshape(1000, 32, 128), w, 1e-5).reshape(1000, 4096)
+    got = gated_rms_norm_rows(o, gate, w, 1e-5, torch.bfloat16)
+    assert ((got.float() - want).norm() / want.norm()).item() < 5e-3
