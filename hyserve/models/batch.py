@@ -77,6 +77,15 @@ class Batch:
         layer building its own would cost a host-to-device copy per layer)."""
         return to_device(self.context_lens, torch.long, self.cu_seqlens.device)
 
+    @functools.cached_property
+    def prefill_cu(self) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """The sequences with more than one new token, and their cu_seqlens on the host and the device, built
+        once per step. fla caches the chunk indices it derives from cu_seqlens by tensor identity; a new
+        tensor per KDA layer made it rebuild them with a blocking copy, a host sync per layer."""
+        pre = [i for i, n in enumerate(self.query_lens) if n > 1]
+        cu_cpu = torch.tensor([0] + [self.query_lens[i] for i in pre], dtype=torch.long).cumsum(0)
+        return pre, cu_cpu, host_to_device(cu_cpu, self.cu_seqlens.device)
+
     @property
     def decode_only(self) -> bool:
         return all(q == 1 for q in self.query_lens)

@@ -193,7 +193,8 @@ def mla_prefill_fast(
 
     dev, bs = pages.device, pages.shape[2]
     h, dn = q_nope.shape[1], q_nope.shape[2]
-    ctx_t = torch.tensor(context_lens, device=dev)
+    ctx_t = torch.tensor(context_lens)  # built on the host and queued: torch.tensor(..., device=) syncs
+    ctx_t = ctx_t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else ctx_t
     total = sum(context_lens)
     starts = torch.cumsum(ctx_t, 0) - ctx_t
     seq = torch.repeat_interleave(torch.arange(len(context_lens), device=dev), ctx_t, output_size=total)

@@ -68,14 +68,14 @@ def _router_kernel(x_ptr, s_xt, rw_ptr, s_re, logit_ptr, count_ptr, bias_ptr, id
     e = tl.program_id(0) * BE + tl.arange(0, BE)
     em = e < E
     for t in range(T):
-        acc = tl.zeros([BE], tl.float32)
+        acc = tl.zeros([BE, BD], tl.float32)  # reduced across columns once, after the loop
         for d0 in range(0, D, BD):
             d = d0 + tl.arange(0, BD)
             dm = d < D
             xv = tl.load(x_ptr + t * s_xt + d, mask=dm, other=0.0).to(tl.float32)
             wv = tl.load(rw_ptr + e[:, None] * s_re + d[None, :], mask=em[:, None] & dm[None, :], other=0.0)
-            acc += tl.sum(wv.to(tl.float32) * xv[None, :], axis=1)
-        tl.store(logit_ptr + t * EP + e, acc, mask=em)
+            acc += wv.to(tl.float32) * xv[None, :]
+        tl.store(logit_ptr + t * EP + e, tl.sum(acc, axis=1), mask=em)
     # every thread's stores before the one acquire-release add (the usual grid-reduction order)
     tl.debug_barrier()
     arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel")

@@ -58,7 +58,7 @@ def kda_forward_fast(layer, x: torch.Tensor, batch: Batch, cache: CacheTensors) 
 
     out = torch.empty(t, p, dtype=x.dtype, device=x.device)
     dec = [i for i, n in enumerate(qlens) if n == 1]
-    pre = [i for i, n in enumerate(qlens) if n > 1]
+    pre, cu_cpu, cu_p = batch.prefill_cu
     cu_host = [0]
     for n in qlens:
         cu_host.append(cu_host[-1] + n)
@@ -74,8 +74,6 @@ def kda_forward_fast(layer, x: torch.Tensor, batch: Batch, cache: CacheTensors) 
     def rows(y: torch.Tensor) -> torch.Tensor:
         return y if tok is None else y[tok]
 
-    cu_cpu = torch.tensor([0] + [qlens[i] for i in pre], dtype=torch.long).cumsum(0)
-    cu_p = cu_cpu.to(x.device, non_blocking=True)
     tp = int(cu_cpu[-1])
     slots, fresh = batch.state_slots[pidx], batch.fresh_state[pidx]
     tails = conv_pool[slots].masked_fill(fresh[:, None, None], 0)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hyserve.models.batch import Batch, CacheTensors, to_device
+from hyserve.models.batch import Batch, CacheTensors, host_to_device, to_device
 from hyserve.models.config import ModelConfig
 from hyserve.models.layers.dsa import Indexer, sparse_mla, token_seq_ids
 from hyserve.models.layers.merged import merged
@@ -157,7 +157,7 @@ class MLAttention(nn.Module):
             )
         if pre:
             cu = batch.cu_seqlens.tolist()
-            tok = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in pre]).to(dev) if dec else slice(None)
+            tok = host_to_device(torch.cat([torch.arange(cu[i], cu[i + 1]) for i in pre]), dev) if dec else slice(None)
             bt = batch.block_tables[to_device(pre, torch.long, dev)] if dec else batch.block_tables
             o[tok] = mla_prefill_fast(
                 q_nope[tok], q_rope[tok], cache.pages, self.mla_index, bt, [qlens[i] for i in pre],
