@@ -85,8 +85,9 @@ def _softmax_tile_rows(qc, qr, kc, kr, valid, m, l_sum, acc, qk_scale, DR: tl.co
     sc = _dot(kc, qc, IEEE)  # [BN, BH]
     if DR >= 16:
         sc += _dot(kr, qr, IEEE)
-    else:  # tl.dot needs an inner size of at least 16
-        sc += tl.sum(kr[:, :, None].to(tl.float32) * qr[None, :, :].to(tl.float32), axis=1)
+    else:  # tl.dot needs an inner size of at least 16. Reduced over the last axis: the compiler turns a
+        # middle-axis product-sum into a dot, which for fp32 would run at tf32 precision
+        sc += tl.sum(kr[:, None, :].to(tl.float32) * tl.trans(qr)[None, :, :].to(tl.float32), axis=2)
     sc = tl.where(valid[:, None], sc * qk_scale, float("-inf"))  # log2 units
     m_new = tl.maximum(m, tl.max(sc, axis=0))
     alpha = tl.exp2(m - m_new)
@@ -281,6 +282,8 @@ def mla_decode_latent(
     assert layout in LAYOUTS, layout
     if pages.element_size() == 1:  # wgmma reads 8-bit operands K-major only: Kᵀ as an operand needs 16 bits
         layout = "heads"
+    if pages.element_size() == 4:  # fp32 rows (tiny parity presets) use FMA dots: half the tile
+        block_n = min(block_n, 32)
     bh = max(16, min(32, triton.next_power_of_2(h)))  # tl.dot needs >= 16 rows
     hblocks = triton.cdiv(h, bh)
     on_gpu = q_full.is_cuda
