@@ -131,7 +131,7 @@ def _tile_rows(pages_ptr, s_pb, bt_row, ids, ti, t, t0, end, BS: tl.constexpr, B
     return ptrs, pos < end
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S"])  # one compiled kernel whatever the split count
 def _mla_split_kernel(
     q_ptr, s_qn, s_qh, pages_ptr, s_pb, bt_ptr, s_btn, ctx_ptr,
     o_ptr, s_on, s_os, s_oh, lse_ptr, s_ln, s_ls,
@@ -162,7 +162,7 @@ def _mla_split_kernel(
     bt_row = bt_ptr + n * s_btn
     ti = tl.arange(0, MAXT)
     if BN <= BS:  # this split's block ids, once
-        ids = tl.load(bt_row + (t0 + ti) // (BS // BN), mask=t0 + ti < t1, other=0)
+        ids = tl.load(bt_row + (t0 + ti) // (BS // BN), mask=t0 + ti < t1, other=0).to(tl.int32)
     else:
         ids = ti
     # PREFETCH (BN <= BS only): the tile PREFETCH ahead of the one being read goes to L2 now
@@ -208,7 +208,7 @@ def _mla_split_kernel(
         tl.store(o_base + heads[:, None] * s_oh + dr[None, :], out, mask=(hmask & keep)[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S"])
 def _mla_combine_kernel(
     o_ptr, s_on, s_os, s_oh, lse_ptr, s_ln, s_ls, out_ptr, s_outn, s_outh, S,
     BR: tl.constexpr, SC: tl.constexpr, PDL: tl.constexpr,
