@@ -280,8 +280,9 @@ def mla_decode_latent(
     assert q_full.stride(-1) == 1 and pages.stride(-1) == 1 and pages.shape[-1] == width
     assert pages.stride(-2) == width, "rows of a page must be dense"
     assert layout in LAYOUTS, layout
-    if pages.element_size() == 1:  # wgmma reads 8-bit operands K-major only: Kᵀ as an operand needs 16 bits
-        layout = "heads"
+    if pages.element_size() == 1:  # FP8 rows: wgmma reads 8-bit operands K-major only (Kᵀ is not), and
+        # heads-major at 64 rows spills: the earlier kernel's config (no spill at 32 rows and 8 warps)
+        layout, block_n, num_warps = "heads", min(block_n, 32), max(num_warps, 8)
     if pages.element_size() == 4:  # fp32 rows (tiny parity presets) use FMA dots: half the tile
         block_n = min(block_n, 32)
     bh = max(16, min(32, triton.next_power_of_2(h)))  # tl.dot needs >= 16 rows
