@@ -271,9 +271,10 @@ def mla_decode_latent(
     block_tables [N, B]; context_lens [N] on the device; max_context bounds them on the host (a CUDA
     graph passes max_model_len) and sets the number of splits, over which each sequence spreads its own
     context. Knobs (defaults: the best guess for an H200, see the module docstring; benchmarks/
-    gpu_kernels.py --only mla sweeps them): block_n rows per tile (16-128, a power of two), num_warps,
-    num_stages, layout "rows" (wgmma-shaped products) or "heads", prefetch = tiles pulled into L2 ahead
-    (CUDA only; 0 = off), pdl = launch the combine kernel early (CUDA only), num_splits = None to plan.
+    gpu_kernels.py --only mla sweeps them): block_n rows per tile (a power of two >= 16; 64 is the most a
+    "rows" program fits in shared memory at 2 stages), num_warps, num_stages, layout "rows"
+    (wgmma-shaped products) or "heads", prefetch = tiles pulled into L2 ahead (CUDA only; 0 = off),
+    pdl = launch the combine kernel early (CUDA only), num_splits = None to plan (`plan_splits`).
     """
     n, h, width = q_full.shape
     r, dr = kv_lora_rank, width - kv_lora_rank
