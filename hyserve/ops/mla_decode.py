@@ -4,6 +4,29 @@ With q_full = [W_UKᵀ q_n | q_r] (576 values) every head attends to the same ca
 handles a block of heads of one sequence and reads each packed page row once: the score is q_full·row
 and the value is row[:512]. Long contexts are split over programs (split-K); a second small kernel
 combines the partial outputs by log-sum-exp. The up-projections around it stay batched GEMMs in torch.
+
+Why the split kernel looks as it does (48B shape: 32 heads, rows of 512 + 64 bf16 values, pages of 64
+rows). A row costs 32 x (576 + 512) x 2 = 70 KFLOP for 1152 bytes, so at HBM speed (4.2 TB/s) the
+products need ~250 TFLOP/s: tensor cores, with little shared-memory traffic per row.
+- layout "rows" (default): scoresᵀ [BN rows, heads] = K [BN, 576] @ qᵀ and accᵀ [512, heads] +=
+  Kᵀ [512, BN] @ Pᵀ [BN, heads]. Rows and latent columns are the M side (64 and 512), so at BN = 64 and
+  4 warps (one warpgroup) both are Hopper wgmma, which reads the tile and qᵀ from shared memory once
+  per warpgroup. Layout "heads" (the earlier form) has M = 32 heads, under wgmma's 64: mma.sync, whose
+  warps each re-read q from shared memory for every tile.
+- Tiles are whole pages or aligned parts of one (BN <= block_size): one block id per tile, affine
+  addresses. A split's block ids are read into registers once, so no load stands between two tile
+  loads and Triton's pipeliner makes the tile loads cp.async copies. Rows are dense, so the row stride
+  is a compile-time constant and the copies need few address registers.
+- Triton issues the next tile's copy after the current tile's products, and for a tile that wgmma reads
+  in place it keeps one buffer more than num_stages - 1 (BN = 64 at num_stages 3 would need 256 KB of
+  shared memory). At BN = 64 (num_stages 2) a program's copies therefore do not overlap its products;
+  `prefetch` > 0 has one thread ask the copy engine to pull the tile `prefetch` tiles ahead into L2
+  (cp.async.bulk.prefetch), so HBM keeps streaming and the copies hit L2. BN = 32 with num_stages 3-4
+  overlaps inside the program instead, with mma.sync for the scores.
+- Splits: about one program per SM (a 64-row "rows" program takes ~190 KB of shared memory), the fewest
+  that fill the machine (`plan_splits`), at most MAX_TILES tiles each. Partials stay fp32
+  ([N, S, H, 512]); a split that saw no row writes only its -inf log-sum-exp and the combine reads no
+  partial for it. `pdl` launches the combine kernel as a programmatic dependent of the split kernel.
 """
 
 from __future__ import annotations
@@ -52,112 +75,261 @@ def _store_split(o_ptr, s_oh, lse_ptr, heads, hmask, dr, m, l_sum, acc):
     tl.store(lse_ptr + heads, lse, mask=hmask)
 
 
+MAX_TILES = 64  # tiles one split program walks at most: the plan makes enough splits for that
+
+
 @triton.jit
+def _softmax_tile_rows(qc, qr, kc, kr, valid, m, l_sum, acc, qk_scale, DR: tl.constexpr, IEEE: tl.constexpr):
+    """`_softmax_tile` with rows as the M side: qc = qᵀ [R, BH], qr [DR, BH], acc = accᵀ [R, BH]. Every
+    tile holds at least one valid row (tiles start inside the context), so the new max is finite."""
+    sc = _dot(kc, qc, IEEE)  # [BN, BH]
+    if DR >= 16:
+        sc += _dot(kr, qr, IEEE)
+    else:  # tl.dot needs an inner size of at least 16. Reduced over the last axis: the compiler turns a
+        # middle-axis product-sum into a dot, which for fp32 would run at tf32 precision
+        sc += tl.sum(kr[:, None, :].to(tl.float32) * tl.trans(qr)[None, :, :].to(tl.float32), axis=2)
+    sc = tl.where(valid[:, None], sc * qk_scale, float("-inf"))  # log2 units
+    m_new = tl.maximum(m, tl.max(sc, axis=0))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(sc - m_new[None, :])
+    l_sum = l_sum * alpha + tl.sum(p, axis=0)
+    acc = acc * alpha[None, :] + _dot(tl.trans(kc), p.to(kc.dtype), IEEE)
+    return m_new, l_sum, acc
+
+
+@triton.jit
+def _prefetch_l2(ptr, nbytes):
+    """Thread 0 asks the copy engine to pull [ptr, ptr + nbytes) into L2 (16-byte aligned, a multiple of
+    16 bytes); nothing waits for it. A hint: it never faults a program or changes a result."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1,
+    )
+
+
+@triton.jit
+def _tile_base(pages_ptr, s_pb, ids, ti, t, t0, BS: tl.constexpr, BN: tl.constexpr, W: tl.constexpr):
+    """First row of tile t when BN <= BS (the tile is an aligned part of one page): its block id comes
+    from the split's ids held in registers, so no load stands between two tile loads."""
+    blk = tl.sum(tl.where(ti == t - t0, ids, 0)).to(tl.int64)
+    return pages_ptr + blk * s_pb + (t % (BS // BN)) * (BN * W)
+
+
+@triton.jit
+def _tile_rows(pages_ptr, s_pb, bt_row, ids, ti, t, t0, end, BS: tl.constexpr, BN: tl.constexpr,
+               W: tl.constexpr):
+    """Pointers to the BN rows of tile t ([BN]) and which of them hold context. BN > BS (small pages):
+    each row looks its page up in the block table."""
+    rows = tl.arange(0, BN)
+    pos = t * BN + rows
+    if BN <= BS:
+        ptrs = _tile_base(pages_ptr, s_pb, ids, ti, t, t0, BS, BN, W) + rows * W
+    else:
+        blk = tl.load(bt_row + pos // BS, mask=pos < end, other=0).to(tl.int64)
+        ptrs = pages_ptr + blk * s_pb + (pos % BS) * W
+    return ptrs, pos < end
+
+
+@triton.jit(do_not_specialize=["S"])  # one compiled kernel whatever the split count
 def _mla_split_kernel(
-    q_ptr, s_qn, s_qh, pages_ptr, s_pb, s_pr, bt_ptr, s_btn, ctx_ptr,
+    q_ptr, s_qn, s_qh, pages_ptr, s_pb, bt_ptr, s_btn, ctx_ptr,
     o_ptr, s_on, s_os, s_oh, lse_ptr, s_ln, s_ls,
     H, qk_scale, S,
     BS: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
+    ROWS_MAJOR: tl.constexpr, PREFETCH: tl.constexpr, MAXT: tl.constexpr, PDL: tl.constexpr,
     IEEE: tl.constexpr,
 ):
+    """Program (n, split, head block): the split's tiles of sequence n, online softmax, one partial."""
     n = tl.program_id(0)
     sp = tl.program_id(1)
     hb = tl.program_id(2)
-    ctx = tl.load(ctx_ptr + n)
+    if PDL:  # the combine kernel may be scheduled now; it waits for this grid before reading
+        tl.extra.cuda.gdc_launch_dependents()
+    W: tl.constexpr = R + DR  # dense rows: the row stride
+    ctx = tl.load(ctx_ptr + n).to(tl.int32)
     # each sequence's own context over the S splits (whole tiles): with S planned for a longer context
     # (a CUDA graph plans for max_model_len) a short one still spreads over programs, not into split 0
     chunk = tl.cdiv(tl.cdiv(ctx, S), BN) * BN
     start = sp * chunk
     end = tl.minimum(start + chunk, ctx)
+    t0 = start // BN
+    t1 = tl.minimum(tl.cdiv(end, BN), t0 + MAXT)  # the plan keeps splits within MAXT tiles
     heads = hb * BH + tl.arange(0, BH)
     hmask = heads < H
     dr = tl.arange(0, R)
     dq = tl.arange(0, DR)
-    qrow = q_ptr + n * s_qn + heads[:, None] * s_qh
-    qc = tl.load(qrow + dr[None, :], mask=hmask[:, None], other=0.0)
-    qr = tl.load(qrow + R + dq[None, :], mask=hmask[:, None], other=0.0)
+    bt_row = bt_ptr + n * s_btn
+    ti = tl.arange(0, MAXT)
+    if BN <= BS:  # this split's block ids, once
+        ids = tl.load(bt_row + (t0 + ti) // (BS // BN), mask=t0 + ti < t1, other=0).to(tl.int32)
+    else:
+        ids = ti
+    # PREFETCH (BN <= BS only): the tile PREFETCH ahead of the one being read goes to L2 now
+    tile_bytes = tl.full((), BN * W * (pages_ptr.dtype.element_ty.primitive_bitwidth // 8), tl.int32)
+    if PREFETCH > 0:
+        for j in tl.static_range(PREFETCH):
+            if t0 + j < t1:
+                _prefetch_l2(_tile_base(pages_ptr, s_pb, ids, ti, t0 + j, t0, BS, BN, W), tile_bytes)
+    qrow = q_ptr + n * s_qn + heads * s_qh
     m = tl.full([BH], float("-inf"), tl.float32)
     l_sum = tl.zeros([BH], tl.float32)
-    acc = tl.zeros([BH, R], tl.float32)
-    for s0 in range(start, end, BN):
-        pos = s0 + tl.arange(0, BN)
-        pmask = pos < end
-        blk = tl.load(bt_ptr + n * s_btn + pos // BS, mask=pmask, other=0).to(tl.int64)
-        rows = pages_ptr + blk * s_pb + (pos % BS) * s_pr
-        kc = tl.load(rows[:, None] + dr[None, :], mask=pmask[:, None], other=0.0)
-        kr = tl.load(rows[:, None] + R + dq[None, :], mask=pmask[:, None], other=0.0)
-        m, l_sum, acc = _softmax_tile(qc, qr, kc, kr, pmask, m, l_sum, acc, qk_scale, DR, IEEE)
-    _store_split(o_ptr + n * s_on + sp * s_os, s_oh, lse_ptr + n * s_ln + sp * s_ls, heads, hmask, dr, m, l_sum, acc)
+    if ROWS_MAJOR:
+        qc = tl.load(qrow[None, :] + dr[:, None], mask=hmask[None, :], other=0.0)  # qᵀ: [R, BH]
+        qr = tl.load(qrow[None, :] + R + dq[:, None], mask=hmask[None, :], other=0.0)  # [DR, BH]
+        acc = tl.zeros([R, BH], tl.float32)
+    else:
+        qc = tl.load(qrow[:, None] + dr[None, :], mask=hmask[:, None], other=0.0)  # [BH, R]
+        qr = tl.load(qrow[:, None] + R + dq[None, :], mask=hmask[:, None], other=0.0)
+        acc = tl.zeros([BH, R], tl.float32)
+    for t in range(t0, t1):
+        if PREFETCH > 0:
+            if t + PREFETCH < t1:
+                _prefetch_l2(_tile_base(pages_ptr, s_pb, ids, ti, t + PREFETCH, t0, BS, BN, W), tile_bytes)
+        ptrs, valid = _tile_rows(pages_ptr, s_pb, bt_row, ids, ti, t, t0, end, BS, BN, W)
+        kc = tl.load(ptrs[:, None] + dr[None, :], mask=valid[:, None], other=0.0)  # [BN, R], also the value
+        kr = tl.load(ptrs[:, None] + R + dq[None, :], mask=valid[:, None], other=0.0)  # [BN, DR]
+        if ROWS_MAJOR:
+            m, l_sum, acc = _softmax_tile_rows(qc, qr, kc, kr, valid, m, l_sum, acc, qk_scale, DR, IEEE)
+        else:
+            m, l_sum, acc = _softmax_tile(qc, qr, kc, kr, valid, m, l_sum, acc, qk_scale, DR, IEEE)
+    # a split that saw no row writes only lse = -inf and the combine reads no partial for it; split 0
+    # writes zeros then (an empty context: the single-split result is that partial)
+    has = l_sum > 0
+    keep = has | (heads * 0 + sp == 0)  # (a tensor: the interpreter rejects a scalar-or mask)
+    lse = tl.where(has, m + tl.log2(tl.where(has, l_sum, 1.0)), float("-inf"))
+    tl.store(lse_ptr + n * s_ln + sp * s_ls + heads, lse, mask=hmask)
+    o_base = o_ptr + n * s_on + sp * s_os
+    if ROWS_MAJOR:
+        out = acc / tl.where(has, l_sum, 1.0)[None, :]
+        tl.store(o_base + heads[None, :] * s_oh + dr[:, None], out, mask=(hmask & keep)[None, :])
+    else:
+        out = acc / tl.where(has, l_sum, 1.0)[:, None]
+        tl.store(o_base + heads[:, None] * s_oh + dr[None, :], out, mask=(hmask & keep)[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S"])
 def _mla_combine_kernel(
     o_ptr, s_on, s_os, s_oh, lse_ptr, s_ln, s_ls, out_ptr, s_outn, s_outh, S,
-    BR: tl.constexpr, SP: tl.constexpr,
+    BR: tl.constexpr, SC: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Program (n, h, rb): all splits of BR latent columns at once (one 2D load, no serial loop)."""
+    """Program (n, h, rb): BR latent columns of head h over all splits, SC splits at a time (online
+    log-sum-exp). A split whose lse is -inf has no partial output and is not read."""
     n = tl.program_id(0)
     h = tl.program_id(1)
     rb = tl.program_id(2)
-    s = tl.arange(0, SP)
-    lse = tl.load(lse_ptr + n * s_ln + s * s_ls + h, mask=s < S, other=float("-inf"))
-    wts = tl.exp2(lse - tl.max(lse, axis=0))
-    wts = wts / tl.sum(wts, axis=0)
+    if PDL:  # launched early (programmatic dependent launch): wait for the split kernel's stores
+        tl.extra.cuda.gdc_wait()
     dr = rb * BR + tl.arange(0, BR)
-    part = tl.load(o_ptr + n * s_on + s[:, None] * s_os + h * s_oh + dr[None, :], mask=(s < S)[:, None], other=0.0)
-    acc = tl.sum(part * wts[:, None], axis=0)
+    m = tl.full([1], float("-inf"), tl.float32)
+    den = tl.zeros([1], tl.float32)
+    acc = tl.zeros([BR], tl.float32)
+    for s0 in range(0, S, SC):
+        s = s0 + tl.arange(0, SC)
+        lse = tl.load(lse_ptr + n * s_ln + s * s_ls + h, mask=s < S, other=float("-inf"))
+        part = tl.load(o_ptr + n * s_on + s[:, None] * s_os + h * s_oh + dr[None, :],
+                       mask=(lse > float("-inf"))[:, None], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)  # 0 while nothing was seen
+        wts = tl.exp2(lse[:, None] - m_safe[None, :])  # [SC, 1]; 0 for empty splits
+        den = den * alpha + tl.sum(wts, axis=0)
+        acc = acc * alpha + tl.sum(part * wts, axis=0)
+        m = m_new
+    acc = acc / tl.where(den > 0, den, 1.0)
     tl.store(out_ptr + n * s_outn + h * s_outh + dr, acc.to(out_ptr.dtype.element_ty))
+
+
+LAYOUTS = ("rows", "heads")
+
+
+def plan_splits(n: int, hblocks: int, max_context: int, block_n: int, sms: int) -> int:
+    """Splits per sequence for `n` sequences of up to `max_context` rows: the fewest programs that fill
+    `sms` multiprocessors (one split program per SM fits in shared memory), by a small cost model in
+    tile units: waves x (tiles per split + 2 for a program's fixed cost: first-load latency, q, the
+    64 KB partial store) + the combine's reads (about one tile per program, spread over the machine).
+    Each split walks at most MAX_TILES tiles."""
+    tiles = max(1, triton.cdiv(max_context, block_n))
+    lo = triton.cdiv(tiles, MAX_TILES)
+    best = None
+    for s in range(lo, max(lo, min(tiles, 4 * sms)) + 1):
+        progs = n * hblocks * s
+        cost = triton.cdiv(progs, sms) * (triton.cdiv(tiles, s) + 2) + progs / sms
+        if best is None or cost < best[0] - 1e-9:
+            best = (cost, s)
+    return best[1]
 
 
 def mla_decode_latent(
     q_full: torch.Tensor, pages: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-    max_context: int, scale: float, kv_lora_rank: int, num_splits: int | None = None, block_n: int = 32,
-    num_warps: int = 8, num_stages: int = 2,
+    max_context: int, scale: float, kv_lora_rank: int, num_splits: int | None = None, block_n: int = 64,
+    num_warps: int = 4, num_stages: int = 2, layout: str = "rows", prefetch: int = 2, pdl: bool = False,
 ) -> torch.Tensor:
     """Attention of q_full [N, H, R + d_r] over each sequence's cached rows; returns o_lat [N, H, R] fp32.
 
-    pages is one layer's view [blocks, block_size, row] (row unit-stride); block_tables [N, B];
-    context_lens [N] on the device; max_context bounds them on the host (a CUDA graph passes
-    max_model_len) and sets the number of splits, over which each sequence spreads its own context.
+    pages is one layer's view [blocks, block_size, row] (rows dense: stride(1) == row width);
+    block_tables [N, B]; context_lens [N] on the device; max_context bounds them on the host (a CUDA
+    graph passes max_model_len) and sets the number of splits, over which each sequence spreads its own
+    context. Knobs (defaults: the best guess for an H200, see the module docstring; benchmarks/
+    gpu_kernels.py --only mla sweeps them): block_n rows per tile (a power of two >= 16; 64 is the most a
+    "rows" program fits in shared memory at 2 stages), num_warps, num_stages, layout "rows"
+    (wgmma-shaped products) or "heads", prefetch = tiles pulled into L2 ahead (CUDA only; 0 = off),
+    pdl = launch the combine kernel early (CUDA only), num_splits = None to plan (`plan_splits`).
     """
     n, h, width = q_full.shape
     r, dr = kv_lora_rank, width - kv_lora_rank
     assert q_full.stride(-1) == 1 and pages.stride(-1) == 1 and pages.shape[-1] == width
+    assert pages.stride(-2) == width, "rows of a page must be dense"
+    assert layout in LAYOUTS, layout
+    if pages.element_size() == 1:  # FP8 rows: wgmma reads 8-bit operands K-major only (Kᵀ is not), and
+        # heads-major at 64 rows spills: the earlier kernel's config (no spill at 32 rows and 8 warps)
+        layout, block_n, num_warps = "heads", min(block_n, 32), max(num_warps, 8)
+    if pages.element_size() == 4:  # fp32 rows (tiny parity presets) use FMA dots: half the tile
+        block_n = min(block_n, 32)
     bh = max(16, min(32, triton.next_power_of_2(h)))  # tl.dot needs >= 16 rows
     hblocks = triton.cdiv(h, bh)
+    on_gpu = q_full.is_cuda
     if num_splits is None:
-        # enough programs to cover every multiprocessor about twice. Where splits of 512 rows already
-        # fill the machine, none is shorter: below that its partial output costs more traffic than it
-        # saves (measured at batch 64). Otherwise (batch 1, short contexts) the few programs walk their
-        # rows one dependent tile at a time, about 40 µs for 540 rows in 2 splits (profiled), so splits
-        # go down to 64 rows.
-        sms = torch.cuda.get_device_properties(q_full.device).multi_processor_count if q_full.is_cuda else 132
-        min_rows = 512 if n * hblocks * triton.cdiv(max_context, 512) >= sms else 64
-        num_splits = max(1, min(triton.cdiv(2 * sms, n * hblocks), triton.cdiv(max_context, min_rows), 64))
-    num_splits = max(1, min(num_splits, triton.cdiv(max(max_context, 1), block_n)))  # no split without a tile
+        sms = torch.cuda.get_device_properties(q_full.device).multi_processor_count if on_gpu else 132
+        num_splits = plan_splits(n, hblocks, max_context, block_n, sms)
+    tiles = triton.cdiv(max(max_context, 1), block_n)
+    # no split without a tile, none longer than MAX_TILES tiles
+    num_splits = max(triton.cdiv(tiles, MAX_TILES), min(num_splits, tiles))
     part = torch.empty(n, num_splits, h, r, dtype=torch.float32, device=q_full.device)
     lse = torch.empty(n, num_splits, h, dtype=torch.float32, device=q_full.device)
+    # the L2 prefetch and PDL are inline PTX: compiled kernels only (the CPU interpreter runs without them)
+    aligned = pages.data_ptr() % 16 == 0 and pages.stride(0) * pages.element_size() % 16 == 0
+    prefetch = prefetch if on_gpu and aligned and block_n <= pages.shape[1] else 0
+    pdl = pdl and on_gpu
     _mla_split_kernel[(n, num_splits, hblocks)](
-        q_full, q_full.stride(0), q_full.stride(1), pages, pages.stride(0), pages.stride(1),
+        q_full, q_full.stride(0), q_full.stride(1), pages, pages.stride(0),
         block_tables, block_tables.stride(0), context_lens,
         part, *part.stride()[:3], lse, *lse.stride()[:2],
         h, scale * math.log2(math.e), num_splits,
-        BS=pages.shape[1], R=r, DR=dr, BH=bh, BN=block_n, IEEE=pages.dtype == torch.float32,
+        BS=pages.shape[1], R=r, DR=dr, BH=bh, BN=block_n, ROWS_MAJOR=layout == "rows", PREFETCH=prefetch,
+        MAXT=MAX_TILES, PDL=pdl, IEEE=pages.dtype == torch.float32,
         num_warps=num_warps, num_stages=num_stages,
     )
-    return combine_splits(part, lse)
+    return combine_splits(part, lse, pdl=pdl)
 
 
-def combine_splits(part: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """Merge split-K partial outputs part [N, S, H, R] by their log2-sum-exp lse [N, S, H]: [N, H, R] fp32."""
+def combine_splits(part: torch.Tensor, lse: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+    """Merge split-K partial outputs part [N, S, H, R] by their log2-sum-exp lse [N, S, H]: [N, H, R] fp32.
+    A split with lse = -inf contributes nothing and its partial is not read. pdl (CUDA): launch as a
+    programmatic dependent of the kernel before it on the stream, which may then still be running; the
+    combine waits for that kernel's writes before it reads."""
     n, num_splits, h, r = part.shape
     if num_splits == 1:
         return part[:, 0]
     out = torch.empty(n, h, r, dtype=torch.float32, device=part.device)
-    br = min(r, 128)
+    # all splits in one chunk up to 256 (its loads are not pipelined: one chunk = one round trip), and
+    # at most 4096 partial values per program (32 registers a thread)
+    sc = min(256, triton.next_power_of_2(num_splits))
+    br = min(r, max(16, 4096 // sc))
+    extra = {"launch_pdl": True} if pdl else {}
     _mla_combine_kernel[(n, h, triton.cdiv(r, br))](
         part, *part.stride()[:3], lse, *lse.stride()[:2], out, out.stride(0), out.stride(1), num_splits,
-        BR=br, SP=triton.next_power_of_2(num_splits), num_warps=4,
+        BR=br, SC=sc, PDL=pdl, num_warps=4, **extra,
     )
     return out
 

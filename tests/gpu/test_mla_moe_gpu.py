@@ -49,6 +49,81 @@ def test_mla_decode_matches_reference(ctx):
     assert rel_err(o, o_ref) < 1e-2
 
 
+# Every split-kernel variant gpu_kernels.py sweeps: layouts, tile rows, warps, stages, L2 prefetch, PDL.
+MLA_VARIANTS = [
+    {},  # the defaults: rows-major, 64-row tiles, 4 warps, 2 stages, prefetch 2
+    {"prefetch": 0},
+    {"prefetch": 4},
+    {"pdl": True},
+    {"num_warps": 8},
+    {"block_n": 32, "num_stages": 3},
+    {"block_n": 32, "num_stages": 4},
+    {"block_n": 32, "num_warps": 8, "num_stages": 3},
+    {"layout": "heads", "num_warps": 8, "prefetch": 0},
+    {"layout": "heads", "num_warps": 8, "num_stages": 3},
+    {"layout": "heads", "block_n": 32, "num_warps": 8, "num_stages": 3},
+]
+
+
+def _latent_reference(qf, pages, bt, ctx, scale):
+    """o_lat [H, R] per sequence in fp32 from its gathered rows."""
+    out = []
+    for i, c in enumerate(ctx):
+        rows = ref.gather_rows(pages, 1, bt[i], c).float()
+        p = torch.softmax(qf[i].float() @ rows.t() * scale, -1)
+        out.append(p @ rows[:, :R])
+    return out
+
+
+@pytest.mark.parametrize("kw", MLA_VARIANTS, ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()) or "default")
+@pytest.mark.parametrize("ctx,max_context", [([32768, 4000], None), ([1, 77, 1000, 5], None), ([63, 130, 1], 131072)],
+                         ids=["32K", "short", "graph-plan"])
+def test_mla_decode_latent_variants(kw, ctx, max_context):
+    """bf16 rows and queries at the 48B shape against fp32 attention over the same rows; the graph-plan
+    case splits for max_model_len 128K, so most splits see no row."""
+    from hyserve.ops.mla_decode import mla_decode_latent
+
+    gen = torch.Generator("cuda").manual_seed(len(ctx))
+    pages, bt = _pages(ctx, gen)
+    qf = torch.randn(len(ctx), H, R + DR, device="cuda", generator=gen).to(torch.bfloat16)
+    scale = (DN + DR) ** -0.5
+    ctx_t = torch.tensor(ctx, device="cuda")
+    got = mla_decode_latent(qf, pages[:, 1], bt, ctx_t, max_context or max(ctx), scale, R, **kw)
+    for i, want in enumerate(_latent_reference(qf, pages, bt, ctx, scale)):
+        assert rel_err(got[i], want) < 1e-2, i
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_mla_decode_replays_from_a_cuda_graph(pdl):
+    """Captured once for max_context 8192 (as the engine captures for max_model_len), replayed after the
+    contexts and block tables changed in place: the same result as eager calls."""
+    from hyserve.ops.mla_decode import mla_decode_latent
+
+    gen = torch.Generator("cuda").manual_seed(5)
+    pages, bt = _pages([8192, 8192, 8192], gen)
+    qf = torch.randn(3, H, R + DR, device="cuda", generator=gen).to(torch.bfloat16)
+    ctx_t = torch.tensor([8192, 300, 1], device="cuda")
+    scale = (DN + DR) ** -0.5
+
+    def call():
+        return mla_decode_latent(qf, pages[:, 1], bt, ctx_t, 8192, scale, R, pdl=pdl)
+
+    call()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for lens in ([8192, 300, 1], [64, 8000, 4097]):
+        ctx_t.copy_(torch.tensor(lens))
+        bt.copy_(bt.flip(0))
+        graph.replay()
+        torch.testing.assert_close(out, call(), rtol=0, atol=0)
+
+
 def test_mla_prefill_matches_reference():
     from hyserve.ops.mla_decode import mla_prefill_fast
 
