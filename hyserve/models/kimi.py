@@ -15,6 +15,7 @@ from hyserve.models.layers.kda import KimiDeltaAttention
 from hyserve.models.layers.mla import MLAttention
 from hyserve.models.layers.moe import DenseMLP, MoE, glu_of
 from hyserve.models.layers.norm import RMSNorm, add_rms_norm
+from hyserve.ops.dense_gemv import linear
 
 
 class DecoderLayer(nn.Module):
@@ -100,7 +101,7 @@ class KimiForCausalLM(nn.Module):
         return self.model(input_ids, batch, cache)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return linear(hidden, self.lm_head.weight).float()
 
     def make_cache(self, num_blocks: int, block_size: int, num_slots: int, dtype: torch.dtype | None = None) -> CacheTensors:
         cfg, dev = self.config, self.device

@@ -1,10 +1,11 @@
 """Dense projections of one decode token as a Triton GEMV (DESIGN.md §6).
 
-At batch 1 cuBLAS runs an attention output projection (4096 -> 2304, 19 MB) as a split-K GEMM plus a
-reduction kernel, 9.3 µs per layer (2.0 TB/s; profiled 2026-11-30), 27 times a step. Here one program per
-block of output rows streams its rows once, as the MoE GEMV kernels do (ops/moe_gemv.py), in one launch.
-Tokens after the first re-read the weight tile from cache, so the layers use it for single-token steps;
-larger steps keep cuBLAS.
+One program per block of output rows streams its rows once, as the MoE GEMV kernels do (ops/moe_gemv.py).
+Measured on an H200 against cuBLAS at the 48B shapes (benchmarks/gpu_kernels.py --only gemv, 2026-11-30):
+1.15x on the lm_head (755 MB, 4.4 TB/s), on a par for the KDA and MLA input projections, 0.6-0.8x where
+the output has few rows and a long input (the attention output 2304 x 4096, where cuBLAS splits K). So
+`linear` uses it only for the shapes listed in CONFIGS. Tokens after the first re-read the weight tile
+from cache: single-token steps only.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from hyserve.ops.moe_gemv import ACC2D_DEFAULT, _gemv_rows
 
 # (BLOCK_N rows, BLOCK_K, num_warps, num_stages) by weight shape (out, in), for the shapes where a sweep on
 # an H200 (benchmarks/gpu_kernels.py --only gemv) beat cuBLAS; `linear` keeps cuBLAS for every other shape
-CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {}
+CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {
+    (163840, 2304): (16, 256, 8, 4),  # the 48B lm_head: 172 µs = 4.4 TB/s against cuBLAS's 197 µs (2026-11-30)
+}
 DEFAULT = (16, 256, 4, 4)
 
 

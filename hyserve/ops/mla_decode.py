@@ -8,11 +8,14 @@ combines the partial outputs by log-sum-exp. The up-projections around it stay b
 Why the split kernel looks as it does (48B shape: 32 heads, rows of 512 + 64 bf16 values, pages of 64
 rows). A row costs 32 x (576 + 512) x 2 = 70 KFLOP for 1152 bytes, so at HBM speed (4.2 TB/s) the
 products need ~250 TFLOP/s: tensor cores, with little shared-memory traffic per row.
-- layout "rows" (default): scoresᵀ [BN rows, heads] = K [BN, 576] @ qᵀ and accᵀ [512, heads] +=
+- layout "rows": scoresᵀ [BN rows, heads] = K [BN, 576] @ qᵀ and accᵀ [512, heads] +=
   Kᵀ [512, BN] @ Pᵀ [BN, heads]. Rows and latent columns are the M side (64 and 512), so at BN = 64 and
   4 warps (one warpgroup) both are Hopper wgmma, which reads the tile and qᵀ from shared memory once
-  per warpgroup. Layout "heads" (the earlier form) has M = 32 heads, under wgmma's 64: mma.sync, whose
-  warps each re-read q from shared memory for every tile.
+  per warpgroup. Layout "heads" (the earlier form, the default) has M = 32 heads, under wgmma's 64:
+  mma.sync, whose warps each re-read q from shared memory for every tile. Measured on the H200 (sweep
+  of 16 configs, 2026-11-30), heads at 64-row tiles, 8 warps and 3 stages with the L2 prefetch beat
+  the best rows config by 1.1-1.2x at batch 1 and 8 x 32K and 64 x 8K: it overlaps its copies with
+  its products, which the rows form at 64-row tiles cannot (next point).
 - Tiles are whole pages or aligned parts of one (BN <= block_size): one block id per tile, affine
   addresses. A split's block ids are read into registers once, so no load stands between two tile
   loads and Triton's pipeliner makes the tile loads cp.async copies. Rows are dense, so the row stride
@@ -263,15 +266,15 @@ def plan_splits(n: int, hblocks: int, max_context: int, block_n: int, sms: int) 
 def mla_decode_latent(
     q_full: torch.Tensor, pages: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
     max_context: int, scale: float, kv_lora_rank: int, num_splits: int | None = None, block_n: int = 64,
-    num_warps: int = 4, num_stages: int = 2, layout: str = "rows", prefetch: int = 2, pdl: bool = False,
+    num_warps: int = 8, num_stages: int = 3, layout: str = "heads", prefetch: int = 2, pdl: bool = False,
 ) -> torch.Tensor:
     """Attention of q_full [N, H, R + d_r] over each sequence's cached rows; returns o_lat [N, H, R] fp32.
 
     pages is one layer's view [blocks, block_size, row] (rows dense: stride(1) == row width);
     block_tables [N, B]; context_lens [N] on the device; max_context bounds them on the host (a CUDA
     graph passes max_model_len) and sets the number of splits, over which each sequence spreads its own
-    context. Knobs (defaults: the best guess for an H200, see the module docstring; benchmarks/
-    gpu_kernels.py --only mla sweeps them): block_n rows per tile (a power of two >= 16; 64 is the most a
+    context. Knobs (defaults: the best of the sweep on an H200 at batch 1 and 8 x 32K and 64 x 8K, heads
+    bn64 w8 s3 pf2, 1.1-1.2x the rows layout's best; benchmarks/gpu_kernels.py --only mla sweeps them): block_n rows per tile (a power of two >= 16; 64 is the most a
     "rows" program fits in shared memory at 2 stages), num_warps, num_stages, layout "rows"
     (wgmma-shaped products) or "heads", prefetch = tiles pulled into L2 ahead (CUDA only; 0 = off),
     pdl = launch the combine kernel early (CUDA only), num_splits = None to plan (`plan_splits`).
@@ -284,8 +287,9 @@ def mla_decode_latent(
     if pages.element_size() == 1:  # FP8 rows: wgmma reads 8-bit operands K-major only (Kᵀ is not), and
         # heads-major at 64 rows spills: the earlier kernel's config (no spill at 32 rows and 8 warps)
         layout, block_n, num_warps = "heads", min(block_n, 32), max(num_warps, 8)
-    if pages.element_size() == 4:  # fp32 rows (tiny parity presets) use FMA dots: half the tile
-        block_n = min(block_n, 32)
+    if pages.element_size() == 4:  # fp32 rows (tiny parity presets) use FMA dots: half the tile, and two
+        # stages of it (three of 32 fp32 rows would fill shared memory)
+        block_n, num_stages = min(block_n, 32), min(num_stages, 2)
     bh = max(16, min(32, triton.next_power_of_2(h)))  # tl.dot needs >= 16 rows
     hblocks = triton.cdiv(h, bh)
     on_gpu = q_full.is_cuda

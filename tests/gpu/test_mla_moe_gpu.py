@@ -49,19 +49,14 @@ def test_mla_decode_matches_reference(ctx):
     assert rel_err(o, o_ref) < 1e-2
 
 
-# Every split-kernel variant gpu_kernels.py sweeps: layouts, tile rows, warps, stages, L2 prefetch, PDL.
+# The default (heads-major, 64-row tiles, 8 warps, 3 stages, L2 prefetch 2) and one of each other knob;
+# gpu_kernels.py --only mla checks every swept config against an fp32 reference before timing it.
 MLA_VARIANTS = [
-    {},  # the defaults: rows-major, 64-row tiles, 4 warps, 2 stages, prefetch 2
+    {},
+    {"layout": "rows", "num_warps": 4, "num_stages": 2},
     {"prefetch": 0},
-    {"prefetch": 4},
     {"pdl": True},
-    {"num_warps": 8},
-    {"block_n": 32, "num_stages": 3},
-    {"block_n": 32, "num_stages": 4},
-    {"block_n": 32, "num_warps": 8, "num_stages": 3},
-    {"layout": "heads", "num_warps": 8, "prefetch": 0},
-    {"layout": "heads", "num_warps": 8, "num_stages": 3},
-    {"layout": "heads", "block_n": 32, "num_warps": 8, "num_stages": 3},
+    {"block_n": 32},
 ]
 
 
@@ -273,9 +268,9 @@ def test_cache_write_kernel_stores_the_layers_rows_in_bf16():
     assert (pages.float() - want.float()).abs().max().item() <= 2 ** -7 * want.float().abs().max().item()
 
 
-@pytest.mark.parametrize("n,k", [(2304, 4096), (12576, 2304), (6720, 2304)])
+@pytest.mark.parametrize("n,k", [(2304, 4096), (12576, 2304), (6720, 2304), (163840, 2304)])
 def test_single_token_gemv_matches_the_fp32_product(n, k):
-    """The 48B attention output, KDA input and MLA input shapes, in bf16, with the default tiles."""
+    """The 48B attention output, KDA input, MLA input and lm_head shapes, in bf16, with each shape's tiles."""
     from hyserve.ops.dense_gemv import gemv
 
     gen = torch.Generator(device="cuda").manual_seed(n)
