@@ -39,8 +39,9 @@ def time_ms(fn, warmup: int = 2, iters: int = 10) -> float:
     return statistics.median(times)
 
 
-def time_graph_ms(fn, iters: int = 10) -> float:
-    """Median GPU time of fn() replayed from a CUDA graph: no host launch cost, as decode steps run."""
+def capture_graph(fn) -> torch.cuda.CUDAGraph:
+    """fn() captured in a CUDA graph, after two eager runs (compiles, lazy buffers) the second on a side
+    stream, as torch.cuda.graph expects."""
     fn()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -50,7 +51,12 @@ def time_graph_ms(fn, iters: int = 10) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return time_ms(graph.replay, 2, iters)
+    return graph
+
+
+def time_graph_ms(fn, iters: int = 10) -> float:
+    """Median GPU time of fn() replayed from a CUDA graph: no host launch cost, as decode steps run."""
+    return time_ms(capture_graph(fn).replay, 2, iters)
 
 
 def time_graph_per_call_ms(fn, calls: int = 8, iters: int = 10) -> float:

@@ -19,7 +19,7 @@ import statistics
 import sys
 
 import torch
-from gpu_common import ceilings, report, time_graph_ms, time_graph_per_call_ms, time_ms
+from gpu_common import capture_graph, ceilings, report, time_graph_ms, time_graph_per_call_ms, time_ms
 
 from hyserve.models.layers.activation import GLU
 from hyserve.models.layers.norm import gated_rms_norm
@@ -148,15 +148,7 @@ def time_graph_cold_ms(fn, flush: torch.Tensor, iters: int = 10) -> float:
     """`time_graph_ms` with L2 flushed (a 256 MB write) before every timed replay: in a decode step the
     other layers' weights pass through L2 between two calls, and a batch-1 32K cache (38 MB) would
     otherwise partly stay in the 50 MB L2 from one replay to the next."""
-    fn()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph = capture_graph(fn)
     times = []
     for i in range(iters + 2):
         flush.zero_()
