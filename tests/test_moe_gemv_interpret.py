@@ -52,14 +52,12 @@ def test_routed_experts_match_the_reference(gemv, act, t):
 
 @pytest.mark.parametrize("act", [GLU("silu"), GLU("situ", 3.0, 2.0)], ids=["silu", "situ"])
 @pytest.mark.parametrize("t", [1, 4])
-@pytest.mark.parametrize("acc2d", [False, True], ids=["row-sums", "2d-accumulator"])
-def test_shared_expert_rides_as_the_last_pair(gemv, act, t, acc2d):
+def test_shared_expert_rides_as_the_last_pair(gemv, act, t):
     w13, w2, shared = _weights(10 + t, act)
     assert gemv.shared_fits(shared, w13, w2)
     x = torch.randn(t, D, generator=torch.Generator().manual_seed(t))
     ids, w = _routing(t, t)
-    got = gemv.experts_forward_gemv(x, ids, w, w13, w2, act, shared=shared, up=(16, 16, 4, 1), down=(16, 16, 4, 1),
-                                    acc2d=acc2d)
+    got = gemv.experts_forward_gemv(x, ids, w, w13, w2, act, shared=shared, up=(16, 16, 4, 1), down=(16, 16, 4, 1))
     want = experts_forward(x, ids, w, w13, w2, act) + shared(x)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from hyserve.ops.dispatch import no_grad_fast_path
-from hyserve.ops.moe_gemv import ACC2D_DEFAULT, _gemv_rows
+from hyserve.ops.moe_gemv import _gemv_rows
 
 # (BLOCK_N rows, BLOCK_K, num_warps, num_stages) by weight shape (out, in), for the shapes where a sweep on
 # an H200 (benchmarks/gpu_kernels.py --only gemv) beat cuBLAS; `linear` keeps cuBLAS for every other shape
@@ -27,17 +27,15 @@ DEFAULT = (16, 256, 4, 4)
 
 
 @triton.jit
-def _dense_gemv_kernel(x_ptr, s_xm, w_ptr, s_wr, y_ptr, s_ym, N, K, T, BN: tl.constexpr, BK: tl.constexpr,
-                       ACC2D: tl.constexpr):
+def _dense_gemv_kernel(x_ptr, s_xm, w_ptr, s_wr, y_ptr, s_ym, N, K, T, BN: tl.constexpr, BK: tl.constexpr):
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     rmask = rows < N
     for t in range(T):
-        acc = _gemv_rows(w_ptr, 0, s_wr, rows, rmask, x_ptr + t * s_xm, K, False, BN, BK, ACC2D)
+        acc = _gemv_rows(w_ptr, 0, s_wr, rows, rmask, x_ptr + t * s_xm, K, False, BN, BK)
         tl.store(y_ptr + t * s_ym + rows, acc.to(y_ptr.dtype.element_ty), mask=rmask)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int] | None = None,
-         acc2d: bool = ACC2D_DEFAULT) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """x [T, K] @ weight[N, K]ᵀ -> [T, N] in x's dtype, fp32 accumulation."""
     t, k = x.shape
     n = weight.shape[0]
@@ -47,7 +45,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int
     bn, bk, warps, stages = config or CONFIGS.get((n, k), DEFAULT)
     if t:
         _dense_gemv_kernel[(triton.cdiv(n, bn),)](
-            x, x.stride(0), weight, weight.stride(0), y, y.stride(0), n, k, t, BN=bn, BK=bk, ACC2D=acc2d, num_warps=warps,
+            x, x.stride(0), weight, weight.stride(0), y, y.stride(0), n, k, t, BN=bn, BK=bk, num_warps=warps,
             num_stages=stages,
         )
     return y

@@ -27,12 +27,12 @@ import triton.language as tl
 
 @triton.jit
 def _gemv_rows(w_ptr, base, s_wr, rows, rmask, v_ptr, Kdim, SILU_GLU: tl.constexpr, BN: tl.constexpr,
-               BK: tl.constexpr, ACC2D: tl.constexpr):
+               BK: tl.constexpr):
     """Σ_c w[base + r·s_wr + c] · v[c] for the rows r, fp32. With SILU_GLU, v holds gate|up (2·Kdim
-    values) and the activation is applied, rounded to v's dtype as the torch GLU rounds it. ACC2D keeps
-    a [BN, BK] accumulator and reduces across the columns once at the end instead of every step."""
+    values) and the activation is applied, rounded to v's dtype as the torch GLU rounds it. (A [BN, BK]
+    accumulator reduced once after the loop measured slower on the MoE GEMVs on an H200, and helped no
+    dense single-token shape past cuBLAS; 2026-11-30.)"""
     acc = tl.zeros([BN], tl.float32)
-    acc2 = tl.zeros([BN, BK], tl.float32)
     wrows = w_ptr + base + rows[:, None] * s_wr
     for c0 in range(0, Kdim, BK):
         cols = c0 + tl.arange(0, BK)
@@ -44,19 +44,14 @@ def _gemv_rows(w_ptr, base, s_wr, rows, rmask, v_ptr, Kdim, SILU_GLU: tl.constex
         else:
             v = tl.load(v_ptr + cols, mask=cm, other=0.0).to(tl.float32)
         w = tl.load(wrows + cols[None, :], mask=rmask[:, None] & cm[None, :], other=0.0).to(tl.float32)
-        if ACC2D:
-            acc2 += w * v[None, :]
-        else:
-            acc += tl.sum(w * v[None, :], axis=1)
-    if ACC2D:
-        acc = tl.sum(acc2, axis=1)
+        acc += tl.sum(w * v[None, :], axis=1)
     return acc
 
 
 @triton.jit
 def _up_kernel(
     x_ptr, s_xm, w_ptr, s_we, s_wr, ids_ptr, gate_off, up_off, h_ptr, s_hm, inter, Kdim,
-    K_ROUTED: tl.constexpr, SHARED: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ACC2D: tl.constexpr,
+    K_ROUTED: tl.constexpr, SHARED: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     """h[p] = w13[e_p] · x[t_p] over 2·inter rows. Pairs run a token's k routed experts, then (SHARED)
     the shared expert, whose gate and up rows lie gate_off / up_off elements from w_ptr."""
@@ -72,7 +67,7 @@ def _up_kernel(
         base = tl.where(j == K_ROUTED, shared_base, base)
     rows = rb * BN + tl.arange(0, BN)
     rmask = rows < 2 * inter
-    acc = _gemv_rows(w_ptr, base, s_wr, rows, rmask, x_ptr + t * s_xm, Kdim, False, BN, BK, ACC2D)
+    acc = _gemv_rows(w_ptr, base, s_wr, rows, rmask, x_ptr + t * s_xm, Kdim, False, BN, BK)
     tl.store(h_ptr + p * s_hm + rows, acc.to(h_ptr.dtype.element_ty), mask=rmask)
 
 
@@ -80,7 +75,6 @@ def _up_kernel(
 def _down_kernel(
     a_ptr, s_am, w_ptr, s_we, s_wr, ids_ptr, wts_ptr, down_off, part_ptr, s_pm, N, inter,
     K_ROUTED: tl.constexpr, SHARED: tl.constexpr, SILU_GLU: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    ACC2D: tl.constexpr,
 ):
     """part[p] = wt_p · w2[e_p] · a[p], fp32; the shared pair (weight 1) lies down_off elements from w_ptr."""
     p = tl.program_id(0)
@@ -97,7 +91,7 @@ def _down_kernel(
         wt = tl.where(j == K_ROUTED, 1.0, wt)
     rows = rb * BN + tl.arange(0, BN)
     rmask = rows < N
-    acc = _gemv_rows(w_ptr, base, s_wr, rows, rmask, a_ptr + p * s_am, inter, SILU_GLU, BN, BK, ACC2D)
+    acc = _gemv_rows(w_ptr, base, s_wr, rows, rmask, a_ptr + p * s_am, inter, SILU_GLU, BN, BK)
     tl.store(part_ptr + p * s_pm + rows, acc * wt, mask=rmask)
 
 
@@ -133,9 +127,6 @@ def sum_pairs(part: torch.Tensor, pairs: int, out_dtype: torch.dtype, weights: t
     return out
 
 
-ACC2D_DEFAULT = False  # see `_gemv_rows`; the benchmark times both
-
-
 def _offset(t: torch.Tensor, base: torch.Tensor) -> int:
     """t's start in elements from base's: how the kernels reach the shared weights from w_ptr."""
     delta = t.data_ptr() - base.data_ptr()
@@ -159,7 +150,6 @@ def experts_forward_gemv(
     x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], shared=None,
     up: tuple[int, int, int, int] | None = None, down: tuple[int, int, int, int] | None = None,
-    acc2d: bool = ACC2D_DEFAULT,
 ) -> torch.Tensor:
     """Same contract as `moe.experts_forward`, plus the shared expert's output when `shared` (a DenseMLP
     that `shared_fits`) is given. Meant for T·k up to a few dozen pairs. `up` and `down` are each
@@ -185,8 +175,7 @@ def experts_forward_gemv(
     h = torch.empty(t * pairs, 2 * inter, dtype=x.dtype, device=x.device)
     _up_kernel[(t * pairs, triton.cdiv(2 * inter, up_n))](
         x, x.stride(0), w13, w13.stride(0), w13.stride(1), ids, offs[0], offs[1], h, h.stride(0), inter, d,
-        K_ROUTED=k, SHARED=shared is not None, BN=up_n, BK=up_k, ACC2D=acc2d, num_warps=up_warps,
-        num_stages=up_stages,
+        K_ROUTED=k, SHARED=shared is not None, BN=up_n, BK=up_k, num_warps=up_warps, num_stages=up_stages,
     )
     silu = getattr(act, "kind", None) == "silu"
     a = h if silu else act(h[:, :inter], h[:, inter:]).contiguous()
@@ -194,7 +183,7 @@ def experts_forward_gemv(
     block_n, block_k, num_warps, num_stages = down
     _down_kernel[(t * pairs, triton.cdiv(d, block_n))](
         a, a.stride(0), w2, w2.stride(0), w2.stride(1), ids, weights, offs[2], part, part.stride(0), d, inter,
-        K_ROUTED=k, SHARED=shared is not None, SILU_GLU=silu, BN=block_n, BK=block_k, ACC2D=acc2d, num_warps=num_warps,
+        K_ROUTED=k, SHARED=shared is not None, SILU_GLU=silu, BN=block_n, BK=block_k, num_warps=num_warps,
         num_stages=num_stages,
     )
     return sum_pairs(part, pairs, x.dtype)
