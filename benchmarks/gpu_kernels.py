@@ -302,14 +302,14 @@ def _copies(shape, total_bytes: float, gen) -> list[torch.Tensor]:
 
 def gemv_rows(ceil, gen) -> list[str]:
     """Single-token projections of the 48B shape, each call on another copy of the weight in one graph:
-    cuBLAS (F.linear) against the Triton GEMV (ops/dense_gemv.py) over a sweep of its tiles."""
+    cuBLAS (F.linear) against the Triton GEMV (ops/dense_gemv.py) over a sweep of its tiles and K splits."""
     from hyserve.ops.dense_gemv import gemv
 
     shapes = {"attention output (o_proj)": (2304, 4096), "KDA merged input": (12576, 2304),
               "MLA q | kv_a": (6720, 2304), "layer-0 MLP gate/up": (9216, 2304), "layer-0 MLP down": (2304, 9216),
               "lm_head": (163840, 2304)}
-    sweep = [(bn, bk, nw, st) for bn, bk in ((8, 256), (16, 256), (32, 128), (16, 512), (32, 256), (64, 128))
-             for nw in (4, 8) for st in (3, 4)]
+    sweep = [(bn, bk, nw, st, split) for bn, bk in ((16, 256), (32, 128), (16, 512), (32, 256))
+             for nw in (4, 8) for st in (3, 4) for split in (1, 2, 4)]
     rows = []
     for name, (n, k) in shapes.items():
         ws = _copies((n, k), 200e6, gen)
@@ -324,7 +324,7 @@ def gemv_rows(ceil, gen) -> list[str]:
         floor = byts / (ceil["copy_tbs"] * 1e12) * 1e3
         rows.append(f"| GEMV 1 token, {name} {n}x{k} | {ms * 1e3:.1f} µs | {byts / 1e6:.1f} MB | "
                     f"{byts / ms / 1e9:.2f} TB/s | {floor * 1e3:.1f} µs | {floor / ms:.0%} | best tile (BN, BK, warps, "
-                    f"stages) {cfg}; cuBLAS {ref * 1e3:.1f} µs = {byts / ref / 1e9:.2f} TB/s, {ref / ms:.2f}x |")
+                    f"stages, K splits) {cfg}; cuBLAS {ref * 1e3:.1f} µs = {byts / ref / 1e9:.2f} TB/s, {ref / ms:.2f}x |")
     return rows
 
 

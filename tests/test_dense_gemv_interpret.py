@@ -19,4 +19,19 @@ def test_gemv_equals_linear_for_ragged_row_and_column_blocks(t, n, k):
     gen = torch.Generator().manual_seed(n)
     x = torch.randn(t, k + 5, generator=gen)[:, :k]  # a strided view, as a split of a merged GEMM
     w = torch.randn(n, k, generator=gen)
-    torch.testing.assert_close(gemv(x, w, (16, 32, 4, 2)), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gemv(x, w, (16, 32, 4, 2, 1)), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("t,n,k,split", [(1, 40, 300, 3), (2, 16, 128, 2), (1, 33, 64, 4)])
+def test_split_k_sums_its_parts_and_leaves_the_counters_zero(t, n, k, split):
+    """Splits of whole column blocks (the last one short or empty of a block), summed by the last split of
+    each row block to arrive; a second call on the same counters gives the same result."""
+    from hyserve.ops.arrival import arrival_counters
+
+    gemv = importlib.import_module("hyserve.ops.dense_gemv").gemv
+    gen = torch.Generator().manual_seed(k)
+    x, w = torch.randn(t, k, generator=gen), torch.randn(n, k, generator=gen)
+    first = gemv(x, w, (16, 32, 4, 2, split))
+    torch.testing.assert_close(first, F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert int(arrival_counters("cpu", 1).count_nonzero()) == 0
+    assert torch.equal(gemv(x, w, (16, 32, 4, 2, split)), first)

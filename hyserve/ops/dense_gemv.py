@@ -15,38 +15,66 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from hyserve.ops.arrival import arrival_counters
 from hyserve.ops.dispatch import no_grad_fast_path
 from hyserve.ops.moe_gemv import _gemv_rows
 
-# (BLOCK_N rows, BLOCK_K, num_warps, num_stages) by weight shape (out, in), for the shapes where a sweep on
-# an H200 (benchmarks/gpu_kernels.py --only gemv) beat cuBLAS; `linear` keeps cuBLAS for every other shape
-CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {
-    (163840, 2304): (16, 256, 8, 4),  # the 48B lm_head: 172 µs = 4.4 TB/s against cuBLAS's 197 µs (2026-11-30)
+# (BLOCK_N rows, BLOCK_K, num_warps, num_stages, K splits) by weight shape (out, in), for the shapes where a
+# sweep on an H200 (benchmarks/gpu_kernels.py --only gemv) beat cuBLAS; `linear` keeps cuBLAS for the rest
+CONFIGS: dict[tuple[int, int], tuple[int, int, int, int, int]] = {
+    (163840, 2304): (16, 256, 8, 4, 1),  # the 48B lm_head: 172 µs = 4.4 TB/s against cuBLAS's 197 µs (2026-11-30)
 }
-DEFAULT = (16, 256, 4, 4)
+DEFAULT = (16, 256, 4, 4, 1)
 
 
 @triton.jit
-def _dense_gemv_kernel(x_ptr, s_xm, w_ptr, s_wr, y_ptr, s_ym, N, K, T, BN: tl.constexpr, BK: tl.constexpr):
-    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+def _dense_gemv_kernel(x_ptr, s_xm, w_ptr, s_wr, y_ptr, s_ym, part_ptr, count_ptr, N, K, T, KS,
+                       BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr):
+    """Program (row block, split s): rows · x over columns s·KS .. s·KS+KS-1. With SPLIT > 1 each split
+    stores its fp32 partial and the last of a row block's splits to arrive (ops/arrival.py) sums them in
+    split order (the same order whichever arrives last) and stores y."""
+    rb = tl.program_id(0)
+    rows = rb * BN + tl.arange(0, BN)
     rmask = rows < N
+    k0 = tl.program_id(1) * KS
+    kd = tl.minimum(KS, K - k0)
     for t in range(T):
-        acc = _gemv_rows(w_ptr, 0, s_wr, rows, rmask, x_ptr + t * s_xm, K, False, BN, BK)
-        tl.store(y_ptr + t * s_ym + rows, acc.to(y_ptr.dtype.element_ty), mask=rmask)
+        acc = _gemv_rows(w_ptr, k0, s_wr, rows, rmask, x_ptr + t * s_xm + k0, kd, False, BN, BK)
+        if SPLIT == 1:
+            tl.store(y_ptr + t * s_ym + rows, acc.to(y_ptr.dtype.element_ty), mask=rmask)
+        else:
+            tl.store(part_ptr + (tl.program_id(1) * T + t) * N + rows, acc, mask=rmask)
+    if SPLIT > 1:
+        tl.debug_barrier()  # every thread's partial stores before the one release below
+        before = tl.atomic_add(count_ptr + rb, 1, sem="acq_rel", scope="gpu")
+        if before == SPLIT - 1:
+            tl.debug_barrier()
+            for t in range(T):
+                tot = tl.zeros([BN], tl.float32)
+                for j in tl.static_range(SPLIT):  # ".cg": past L1, which may hold lines older than the partials
+                    tot += tl.load(part_ptr + (j * T + t) * N + rows, mask=rmask, other=0.0, cache_modifier=".cg")
+                tl.store(y_ptr + t * s_ym + rows, tot.to(y_ptr.dtype.element_ty), mask=rmask)
+            tl.store(count_ptr + rb, 0)  # the next launch on the stream starts after this one ends
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """x [T, K] @ weight[N, K]ᵀ -> [T, N] in x's dtype, fp32 accumulation."""
+def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """x [T, K] @ weight[N, K]ᵀ -> [T, N] in x's dtype, fp32 accumulation. `config` (BLOCK_N, BLOCK_K, warps,
+    stages, splits of K): a long input over few output rows fills the SMs only when split."""
     t, k = x.shape
     n = weight.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
     assert weight.stride(-1) == 1 and weight.shape[1] == k
     y = torch.empty(t, n, dtype=x.dtype, device=x.device)
-    bn, bk, warps, stages = config or CONFIGS.get((n, k), DEFAULT)
+    bn, bk, warps, stages, split = config or CONFIGS.get((n, k), DEFAULT)
+    ks = triton.cdiv(triton.cdiv(k, split), bk) * bk  # whole column blocks per split
+    split = triton.cdiv(k, ks)
+    blocks = triton.cdiv(n, bn)
+    part = torch.empty(split * t, n, dtype=torch.float32, device=x.device) if split > 1 else y
+    count = arrival_counters(x.device, blocks) if split > 1 else y
     if t:
-        _dense_gemv_kernel[(triton.cdiv(n, bn),)](
-            x, x.stride(0), weight, weight.stride(0), y, y.stride(0), n, k, t, BN=bn, BK=bk, num_warps=warps,
-            num_stages=stages,
+        _dense_gemv_kernel[(blocks, split)](
+            x, x.stride(0), weight, weight.stride(0), y, y.stride(0), part, count, n, k, t, ks, BN=bn, BK=bk,
+            SPLIT=split, num_warps=warps, num_stages=stages,
         )
     return y
 

@@ -277,3 +277,17 @@ def test_single_token_gemv_matches_the_fp32_product(n, k):
     x = torch.randn(1, k, device="cuda", generator=gen).to(torch.bfloat16)
     w = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
     assert rel_err(gemv(x, w), x.float() @ w.float().t()) < 1e-2
+
+
+@pytest.mark.parametrize("split", [2, 4])
+def test_split_k_gemv_matches_the_fp32_product_twice(split):
+    """The attention output shape split over K: the last split of each row block sums the parts; a second
+    call on the same counters must agree bit for bit (the sum runs in split order)."""
+    from hyserve.ops.dense_gemv import gemv
+
+    gen = torch.Generator(device="cuda").manual_seed(split)
+    x = torch.randn(1, 4096, device="cuda", generator=gen).to(torch.bfloat16)
+    w = (torch.randn(2304, 4096, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    first = gemv(x, w, (16, 256, 4, 3, split))
+    assert rel_err(first, x.float() @ w.float().t()) < 1e-2
+    assert torch.equal(gemv(x, w, (16, 256, 4, 3, split)), first)
