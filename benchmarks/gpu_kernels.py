@@ -340,8 +340,8 @@ def router_rows(ceil, gen) -> list[str]:
         x = torch.randn(t, 2304, device="cuda", generator=gen).to(torch.bfloat16)
         old = time_graph_ms(lambda: [route_topk_fast(x.float() @ w.t(), bias, 8, True, 2.446) for w in ws], 10) / 26
         best = None
-        for be in (2, 4, 8):
-            for bd in (256, 512):
+        for be in (4, 8, 16):
+            for bd in (128, 256, 512):
                 for nw in (2, 4):
                     ms = time_graph_ms(lambda be=be, bd=bd, nw=nw: [router_fused(x, w, bias, 8, True, 2.446, be, bd, nw)
                                                                   for w in ws], 10) / 26

@@ -35,3 +35,16 @@ def test_split_k_sums_its_parts_and_leaves_the_counters_zero(t, n, k, split):
     torch.testing.assert_close(first, F.linear(x, w), rtol=1e-5, atol=1e-5)
     assert int(arrival_counters("cpu", 1).count_nonzero()) == 0
     assert torch.equal(gemv(x, w, (16, 32, 4, 2, split)), first)
+
+
+@pytest.mark.parametrize("split", [1, 3])
+def test_silu_glu_gemv_applies_the_glu_to_gate_and_up_halves(split):
+    """x holds gate | up; the product is with the GLU of the two halves, split or not (each split reads its
+    columns of both halves)."""
+    from hyserve.models.layers.activation import GLU
+
+    gemv = importlib.import_module("hyserve.ops.dense_gemv").gemv
+    gen = torch.Generator().manual_seed(split)
+    x, w = torch.randn(1, 2 * 200, generator=gen), torch.randn(24, 200, generator=gen)
+    expected = F.linear(GLU("silu")(x[:, :200], x[:, 200:]), w)
+    torch.testing.assert_close(gemv(x, w, (16, 32, 4, 2, split), silu_glu=True), expected, rtol=1e-5, atol=1e-5)

@@ -304,7 +304,7 @@ def test_out_of_range_logit_bias_is_rejected_when_vocab_is_known():
 def test_logprobs_are_raw_log_softmax_of_the_sampled_token():
     torch.manual_seed(4)
     logits = torch.randn(8, 30)
-    params = SamplingParams(temperature=0.5, top_k=5, presence_penalty=2.0)
+    params = SamplingParams(temperature=0.5, top_k=5, presence_penalty=2.0, logprobs=0)
     out = sample(logits, [params] * 8, outputs=[[0, 1]] * 8)
     expected = logits.log_softmax(-1).gather(1, out.token_ids[:, None]).squeeze(1)
     torch.testing.assert_close(out.logprobs, expected)
@@ -313,9 +313,9 @@ def test_logprobs_are_raw_log_softmax_of_the_sampled_token():
 def test_ranks_are_one_based_positions_in_the_raw_distribution():
     logits = torch.tensor([[0.5, 3.0, 1.0, 2.0]])
     # Bias forces token 2, the third most likely under the raw logits.
-    out = sample(logits, [SamplingParams(temperature=0.0, logit_bias={2: 10.0})])
+    out = sample(logits, [SamplingParams(temperature=0.0, logit_bias={2: 10.0}, logprobs=0)])
     assert out.token_ids.item() == 2 and out.ranks.item() == 3
-    assert sample(logits, [SamplingParams(temperature=0.0)]).ranks.item() == 1
+    assert sample(logits, [SamplingParams(temperature=0.0, logprobs=0)]).ranks.item() == 1
 
 
 def test_top_logprobs_use_the_largest_k_in_the_batch():
@@ -335,8 +335,21 @@ def test_no_top_logprobs_when_no_row_asks():
 def test_logprobs_reflect_the_allowed_token_mask():
     logits = torch.tensor([[0.0, 0.0, 0.0, 0.0]])
     mask = torch.tensor([[True, True, False, False]])
-    out = sample(logits, [SamplingParams(temperature=0.0)], mask=mask)
+    out = sample(logits, [SamplingParams(temperature=0.0, logprobs=0)], mask=mask)
     assert out.logprobs.item() == pytest.approx(math.log(0.5))
+
+
+def test_no_logprobs_are_computed_when_no_row_asks():
+    out = sample(torch.randn(2, 10), [SamplingParams(), SamplingParams(temperature=0.0)])
+    assert out.logprobs is None and out.ranks is None and out.top_token_ids is None
+
+
+def test_sampling_leaves_the_callers_logits_unchanged():
+    logits = torch.randn(2, 10)
+    before = logits.clone()
+    sample(logits, [SamplingParams(temperature=0.7, top_p=0.5, min_p=0.1), SamplingParams(temperature=0.0)])
+    sample(logits, [SamplingParams(logit_bias={1: 5.0}), SamplingParams(min_tokens=3)])
+    assert torch.equal(logits, before)
 
 
 def test_prompt_logprobs_equal_log_softmax_gather():

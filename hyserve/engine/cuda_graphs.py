@@ -124,7 +124,7 @@ class DecodeGraphs:
     def _step(self, batch: Batch) -> None:
         size = batch.num_seqs
         hidden = self.model(self.meta[_IDS, :size], batch, self.kv.tensors)
-        self.logits[:size].copy_(self.model.compute_logits(hidden))
+        self.model.compute_logits(hidden, out=self.logits[:size])
 
     def _pad_all(self, size: int) -> None:
         """Every row a padding row: warm-up and capture runs write only the scratch page and slot."""

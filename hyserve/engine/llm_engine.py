@@ -365,7 +365,8 @@ class LLMEngine:
                 continue
             tok = tokens[j]
             req.output_token_ids.append(tok)
-            req.cumulative_logprob += lps[j]
+            if lps is not None:  # None when no request of the step asked for logprobs
+                req.cumulative_logprob += lps[j]
             self.stats.generation_tokens += 1
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now

@@ -100,8 +100,10 @@ class KimiForCausalLM(nn.Module):
         """Final-normed hidden states [T, D] for the flattened step; reads and writes `cache`."""
         return self.model(input_ids, batch, cache)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.lm_head.weight).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits [T, vocab]; into `out` when given (one conversion kernel instead of a cast and a copy)."""
+        logits = linear(hidden, self.lm_head.weight)
+        return logits.float() if out is None else out.copy_(logits)
 
     def make_cache(self, num_blocks: int, block_size: int, num_slots: int, dtype: torch.dtype | None = None) -> CacheTensors:
         cfg, dev = self.config, self.device

@@ -2,9 +2,10 @@
 
 One program per block of output rows streams its rows once, as the MoE GEMV kernels do (ops/moe_gemv.py).
 Measured on an H200 against cuBLAS at the 48B shapes (benchmarks/gpu_kernels.py --only gemv, 2026-11-30):
-1.15x on the lm_head (755 MB, 4.4 TB/s), on a par for the KDA and MLA input projections, 0.6-0.8x where
-the output has few rows and a long input (the attention output 2304 x 4096, where cuBLAS splits K). So
-`linear` uses it only for the shapes listed in CONFIGS. Tokens after the first re-read the weight tile
+1.15x on the lm_head (755 MB, 4.4 TB/s), on a par for the KDA and MLA input projections. Where the output
+has few rows and a long input (the attention output 2304 x 4096) one program per row block leaves SMs
+idle (0.8x cuBLAS, which splits K); split over K (the parts summed by each row block's last split) it is
+1.06x. So `linear` uses it only for the shapes listed in CONFIGS. Tokens after the first re-read the weight tile
 from cache: single-token steps only.
 """
 
@@ -23,23 +24,30 @@ from hyserve.ops.moe_gemv import _gemv_rows
 # sweep on an H200 (benchmarks/gpu_kernels.py --only gemv) beat cuBLAS; `linear` keeps cuBLAS for the rest
 CONFIGS: dict[tuple[int, int], tuple[int, int, int, int, int]] = {
     (163840, 2304): (16, 256, 8, 4, 1),  # the 48B lm_head: 172 µs = 4.4 TB/s against cuBLAS's 197 µs (2026-11-30)
+    # the 48B attention output (KDA and MLA o_proj): 2,304 rows are 144 row blocks, so K splits in 4 to fill
+    # the SMs; 8.9 µs against cuBLAS's split-K GEMM + reduce kernel, 9.4 µs (2026-11-30)
+    (2304, 4096): (16, 256, 8, 4, 4),
+    # the 48B layer-0 MLP down: 16.4 µs against cuBLAS's 16.2 alone, but with the SiLU-GLU read in
+    # (`DenseMLP`) it also replaces the activation's five small kernels (2026-11-30)
+    (2304, 9216): (16, 256, 8, 3, 4),
 }
 DEFAULT = (16, 256, 4, 4, 1)
 
 
 @triton.jit
 def _dense_gemv_kernel(x_ptr, s_xm, w_ptr, s_wr, y_ptr, s_ym, part_ptr, count_ptr, N, K, T, KS,
-                       BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr):
-    """Program (row block, split s): rows · x over columns s·KS .. s·KS+KS-1. With SPLIT > 1 each split
-    stores its fp32 partial and the last of a row block's splits to arrive (ops/arrival.py) sums them in
-    split order (the same order whichever arrives last) and stores y."""
+                       BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, SILU_GLU: tl.constexpr):
+    """Program (row block, split s): rows · x over columns s·KS .. s·KS+KS-1 (with SILU_GLU, x holds
+    gate | up, K each, and the product takes SiLU(gate)·up). With SPLIT > 1 each split stores its fp32
+    partial and the last of a row block's splits to arrive (ops/arrival.py) sums them in split order (the
+    same order whichever arrives last) and stores y."""
     rb = tl.program_id(0)
     rows = rb * BN + tl.arange(0, BN)
     rmask = rows < N
     k0 = tl.program_id(1) * KS
     kd = tl.minimum(KS, K - k0)
     for t in range(T):
-        acc = _gemv_rows(w_ptr, k0, s_wr, rows, rmask, x_ptr + t * s_xm + k0, kd, False, BN, BK)
+        acc = _gemv_rows(w_ptr, k0, s_wr, rows, rmask, x_ptr + t * s_xm + k0, kd, K, SILU_GLU, BN, BK)
         if SPLIT == 1:
             tl.store(y_ptr + t * s_ym + rows, acc.to(y_ptr.dtype.element_ty), mask=rmask)
         else:
@@ -57,13 +65,16 @@ def _dense_gemv_kernel(x_ptr, s_xm, w_ptr, s_wr, y_ptr, s_ym, part_ptr, count_pt
             tl.store(count_ptr + rb, 0)  # the next launch on the stream starts after this one ends
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int, int] | None = None,
+         silu_glu: bool = False) -> torch.Tensor:
     """x [T, K] @ weight[N, K]ᵀ -> [T, N] in x's dtype, fp32 accumulation. `config` (BLOCK_N, BLOCK_K, warps,
-    stages, splits of K): a long input over few output rows fills the SMs only when split."""
-    t, k = x.shape
+    stages, splits of K): a long input over few output rows fills the SMs only when split. With silu_glu,
+    x is [T, 2K] gate | up and the product is with SiLU(gate)·up rounded to x's dtype (the SiLU-GLU of
+    `GLU`), computed as the rows are read."""
+    t, k = x.shape[0], weight.shape[1]
     n = weight.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
-    assert weight.stride(-1) == 1 and weight.shape[1] == k
+    assert weight.stride(-1) == 1 and x.shape[1] == (2 * k if silu_glu else k)
     y = torch.empty(t, n, dtype=x.dtype, device=x.device)
     bn, bk, warps, stages, split = config or CONFIGS.get((n, k), DEFAULT)
     ks = triton.cdiv(triton.cdiv(k, split), bk) * bk  # whole column blocks per split
@@ -74,7 +85,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int
     if t:
         _dense_gemv_kernel[(blocks, split)](
             x, x.stride(0), weight, weight.stride(0), y, y.stride(0), part, count, n, k, t, ks, BN=bn, BK=bk,
-            SPLIT=split, num_warps=warps, num_stages=stages,
+            SPLIT=split, SILU_GLU=silu_glu, num_warps=warps, num_stages=stages,
         )
     return y
 

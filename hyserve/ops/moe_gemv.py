@@ -26,10 +26,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _gemv_rows(w_ptr, base, s_wr, rows, rmask, v_ptr, Kdim, SILU_GLU: tl.constexpr, BN: tl.constexpr,
+def _gemv_rows(w_ptr, base, s_wr, rows, rmask, v_ptr, Kdim, up_off, SILU_GLU: tl.constexpr, BN: tl.constexpr,
                BK: tl.constexpr):
-    """Σ_c w[base + r·s_wr + c] · v[c] for the rows r, fp32. With SILU_GLU, v holds gate|up (2·Kdim
-    values) and the activation is applied, rounded to v's dtype as the torch GLU rounds it. (A [BN, BK]
+    """Σ_c w[base + r·s_wr + c] · v[c] for c < Kdim and the rows r, fp32. With SILU_GLU, v is the gate
+    and v + up_off the up values, and the activation is applied, rounded to v's dtype as the torch GLU
+    rounds it. (A [BN, BK]
     accumulator reduced once after the loop measured slower on the MoE GEMVs on an H200, and helped no
     dense single-token shape past cuBLAS; 2026-11-30.)"""
     acc = tl.zeros([BN], tl.float32)
@@ -39,7 +40,7 @@ def _gemv_rows(w_ptr, base, s_wr, rows, rmask, v_ptr, Kdim, SILU_GLU: tl.constex
         cm = cols < Kdim
         if SILU_GLU:
             g = tl.load(v_ptr + cols, mask=cm, other=0.0).to(tl.float32)
-            u = tl.load(v_ptr + Kdim + cols, mask=cm, other=0.0).to(tl.float32)
+            u = tl.load(v_ptr + up_off + cols, mask=cm, other=0.0).to(tl.float32)
             v = (g * tl.sigmoid(g) * u).to(v_ptr.dtype.element_ty).to(tl.float32)
         else:
             v = tl.load(v_ptr + cols, mask=cm, other=0.0).to(tl.float32)
@@ -67,7 +68,7 @@ def _up_kernel(
         base = tl.where(j == K_ROUTED, shared_base, base)
     rows = rb * BN + tl.arange(0, BN)
     rmask = rows < 2 * inter
-    acc = _gemv_rows(w_ptr, base, s_wr, rows, rmask, x_ptr + t * s_xm, Kdim, False, BN, BK)
+    acc = _gemv_rows(w_ptr, base, s_wr, rows, rmask, x_ptr + t * s_xm, Kdim, 0, False, BN, BK)
     tl.store(h_ptr + p * s_hm + rows, acc.to(h_ptr.dtype.element_ty), mask=rmask)
 
 
@@ -91,7 +92,7 @@ def _down_kernel(
         wt = tl.where(j == K_ROUTED, 1.0, wt)
     rows = rb * BN + tl.arange(0, BN)
     rmask = rows < N
-    acc = _gemv_rows(w_ptr, base, s_wr, rows, rmask, a_ptr + p * s_am, inter, SILU_GLU, BN, BK)
+    acc = _gemv_rows(w_ptr, base, s_wr, rows, rmask, a_ptr + p * s_am, inter, inter, SILU_GLU, BN, BK)
     tl.store(part_ptr + p * s_pm + rows, acc * wt, mask=rmask)
 
 

@@ -291,3 +291,21 @@ def test_split_k_gemv_matches_the_fp32_product_twice(split):
     first = gemv(x, w, (16, 256, 4, 3, split))
     assert rel_err(first, x.float() @ w.float().t()) < 1e-2
     assert torch.equal(gemv(x, w, (16, 256, 4, 3, split)), first)
+
+
+def test_one_token_dense_mlp_matches_the_fp32_mlp():
+    """The 48B layer-0 MLP (9216 wide) on one token: gate | up as one GEMM, the SiLU-GLU read by the split
+    down GEMV."""
+    from hyserve.models.layers.moe import DenseMLP
+
+    torch.manual_seed(7)
+    mlp = DenseMLP(2304, 9216, GLU("silu")).cuda()
+    for p in mlp.parameters():
+        p.data.normal_(0, 0.02)
+    mlp = mlp.to(torch.bfloat16)
+    x = torch.randn(1, 2304, device="cuda").to(torch.bfloat16)
+    g, u, d = (m.weight.float() for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+    with torch.no_grad():
+        got = mlp(x)
+    want = GLU("silu")(x.float() @ g.t(), x.float() @ u.t()) @ d.t()
+    assert got.dtype == torch.bfloat16 and rel_err(got, want) < 1e-2
