@@ -56,27 +56,59 @@ def _conv_out(x_ptr, s_xn, row0, t, w_ptr, tail_ptr, s_cc, s_cw, c, fresh, T: tl
 
 
 @triton.jit
+def _head_lanes(P, h, K: tl.constexpr):
+    """Lanes [q | k | v | gate] of head h, K each: (lane, part 0..3, conv channel). The gate lanes alias
+    channel 0 (their conv is unused)."""
+    i = tl.arange(0, 4 * K)
+    part = i // K
+    return i, part, tl.where(part < 3, part * P + h * K + i % K, 0)
+
+
+@triton.jit
+def _decay_of(f, a, lower_bound, BOUNDED: tl.constexpr):
+    """exp(g) of the gate for raw inputs f (fp32, dt_bias added): bounded lower_bound·σ(a·f), else
+    -a·softplus(f)."""
+    if BOUNDED:
+        g = lower_bound * tl.sigmoid(a * f)
+    else:
+        g = -a * tl.where(f > 20.0, f, tl.log(1.0 + tl.exp(tl.minimum(f, 20.0))))
+    return tl.exp(g)
+
+
+@triton.jit
+def _shift_tails(x_ptr, s_xn, row0, tail_ptr, s_cc, s_cw, c, live, fresh, T: tl.constexpr, W: tl.constexpr,
+                 WP: tl.constexpr):
+    """The conv-tail shift of channels c (where live), after every read of the old tail by this program."""
+    j = tl.arange(0, WP)
+    # the new tail is the last W-1 positions of [old tail, T new tokens], i.e. positions T .. T+W-2
+    new = _window_of(x_ptr, s_xn, row0, tail_ptr, s_cc, s_cw, c, T, fresh, T, W, WP, W - 1)
+    tl.debug_barrier()  # every load of the old tail before any store (other threads shift the same rows)
+    tl.store(tail_ptr + c[:, None] * s_cc + j[None, :] * s_cw, new.to(tail_ptr.dtype.element_ty),
+             mask=live[:, None] & (j[None, :] < W - 1))
+
+
+@triton.jit
 def _kda_prep_kernel(
     x_ptr, s_xn, f_ptr, s_fn, b_ptr, s_bn,
     conv_w_ptr, conv_ptr, s_cs, s_cc, s_cw,
     a_log_ptr, dt_bias_ptr, slots_ptr, fresh_ptr, qkvg_ptr, beta_ptr,
     P, H, scale, lower_bound,
     T: tl.constexpr, K: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BOUNDED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (n, h): for each token t, writes q̂ (normed, scaled), k̂ (normed), v and exp(gate) of head h
     as rows 0..3 of qkvg[n*T+t, h] (fp32), and σ(b) to beta; then the conv-tail shift of the head's q/k/v
-    channels."""
+    channels. PDL: lets the state kernel launch now (it waits for this grid before reading qkvg/beta)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     n = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slots_ptr + n).to(tl.int64)
     fresh = tl.load(fresh_ptr + n) != 0
     row0 = n * T
     tail_ptr = conv_ptr + slot * s_cs
-    # lanes [q | k | v | gate] of the head, K each: the three conv parts in one window per token, and
-    # the output in the layout the state kernel reads
-    i = tl.arange(0, 4 * K)
-    part = i // K
-    c = tl.where(part < 3, part * P + h * K + i % K, 0)  # gate lanes alias channel 0: their conv is unused
+    # the three conv parts in one window per token, and the output in the layout the state kernel reads
+    i, part, c = _head_lanes(P, h, K)
     gl = tl.where(part == 3, i - 3 * K, 0)
     a = tl.exp(tl.load(a_log_ptr + h))
     dtb = tl.load(dt_bias_ptr + h * K + gl)
@@ -86,19 +118,19 @@ def _kda_prep_kernel(
         kn = tl.rsqrt(tl.sum(tl.where(part == 1, y * y, 0.0), axis=0) + 1e-6)
         y = y * tl.where(part == 0, qn, tl.where(part == 1, kn, 1.0))
         f = tl.load(f_ptr + (row0 + t) * s_fn + h * K + gl).to(tl.float32) + dtb
-        if BOUNDED:
-            g = lower_bound * tl.sigmoid(a * f)
-        else:
-            g = -a * tl.where(f > 20.0, f, tl.log(1.0 + tl.exp(tl.minimum(f, 20.0))))
-        tl.store(qkvg_ptr + ((row0 + t) * H + h) * 4 * K + i, tl.where(part == 3, tl.exp(g), y))
+        y = tl.where(part == 3, _decay_of(f, a, lower_bound, BOUNDED), y)
+        tl.store(qkvg_ptr + ((row0 + t) * H + h) * 4 * K + i, y)
         tl.store(beta_ptr + (row0 + t) * H + h, tl.sigmoid(tl.load(b_ptr + (row0 + t) * s_bn + h).to(tl.float32)))
+    _shift_tails(x_ptr, s_xn, row0, tail_ptr, s_cc, s_cw, c, part < 3, fresh, T, W, WP)
 
-    j = tl.arange(0, WP)
-    # the new tail is the last W-1 positions of [old tail, T new tokens], i.e. positions T .. T+W-2
-    new = _window_of(x_ptr, s_xn, row0, tail_ptr, s_cc, s_cw, c, T, fresh, T, W, WP, W - 1)
-    tl.debug_barrier()  # every load of the old tail before any store (other threads shift the same rows)
-    tl.store(tail_ptr + c[:, None] * s_cc + j[None, :] * s_cw, new.to(conv_ptr.dtype.element_ty),
-             mask=(part < 3)[:, None] & (j[None, :] < W - 1))
+
+@triton.jit
+def _gated_norm_row(o, gate_ptr, s_gn, wn, out_ptr, s_on, r, h, eps, K: tl.constexpr):
+    """Gated RMSNorm of head h's raw fp32 output o [K] of row r, stored to out."""
+    offs = tl.arange(0, K)
+    gate = tl.load(gate_ptr + r * s_gn + h * K + offs).to(tl.float32)
+    o = o * tl.rsqrt(tl.sum(o * o, axis=0) / K + eps) * wn * tl.sigmoid(gate)
+    tl.store(out_ptr + r * s_on + h * K + offs, o.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -113,19 +145,31 @@ def _gated_norm_rows(
     for t in range(T):
         r = row0 + t
         o = tl.load(o_ptr + r * P + h * K + offs, cache_modifier=CACHE)
-        gate = tl.load(gate_ptr + r * s_gn + h * K + offs).to(tl.float32)
-        o = o * tl.rsqrt(tl.sum(o * o, axis=0) / K + eps) * wn * tl.sigmoid(gate)
-        tl.store(out_ptr + r * s_on + h * K + offs, o.to(out_ptr.dtype.element_ty))
+        _gated_norm_row(o, gate_ptr, s_gn, wn, out_ptr, s_on, r, h, eps, K)
+
+
+@triton.jit
+def _delta_step(m, q, k, v, decay, beta):
+    """One token's gated delta-rule step on state rows m [rows, K] (v: those rows' values): the new rows
+    and their output."""
+    m = m * decay[None, :]  # decay the key columns
+    pred = tl.sum(m * k[None, :], axis=1)
+    m = m + (beta * (v - pred))[:, None] * k[None, :]
+    return m, tl.sum(m * q[None, :], axis=1)
 
 
 @triton.jit
 def _kda_state_kernel(
     qkvg_ptr, beta_ptr, rec_ptr, s_rs, s_rh, s_rv, s_rk, slots_ptr, fresh_ptr, o_ptr, P, H,
     gate_ptr, s_gn, onorm_ptr, out_ptr, s_on, arrivals_ptr, eps,
-    T: tl.constexpr, K: tl.constexpr, BV: tl.constexpr, FUSED: tl.constexpr,
+    T: tl.constexpr, K: tl.constexpr, BV: tl.constexpr, FUSED: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (n, h, vb): rows vb*BV.. of head h's state over the sequence's T tokens; with FUSED, the
-    last of the head's programs to arrive also applies the gated RMSNorm to all T tokens of the head."""
+    last of the head's programs to arrive also applies the gated RMSNorm to all T tokens of the head.
+    PDL (launched as a programmatic dependent of the prep kernel, which may still be running): the state
+    rows, slots and fresh flags are loaded first (the prep kernel writes none of them, and every kernel
+    before it on the stream has finished), then the wait for the prep grid's stores; every read of
+    qkvg/beta/arrival counters and every store of this kernel comes after the wait."""
     n = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -135,6 +179,8 @@ def _kda_state_kernel(
     rows = vb * BV + tl.arange(0, BV)
     sp = rec_ptr + slot * s_rs + h * s_rh + rows[:, None] * s_rv + offs[None, :] * s_rk
     m = tl.where(fresh, 0.0, tl.load(sp))
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     for t in range(T):
         r = n * T + t
         vec = qkvg_ptr + (r * H + h) * 4 * K
@@ -143,10 +189,8 @@ def _kda_state_kernel(
         v = tl.load(vec + 2 * K + rows)
         decay = tl.load(vec + 3 * K + offs)
         beta = tl.load(beta_ptr + r * H + h)
-        m = m * decay[None, :]  # decay the key columns
-        pred = tl.sum(m * k[None, :], axis=1)
-        m = m + (beta * (v - pred))[:, None] * k[None, :]
-        tl.store(o_ptr + r * P + h * K + rows, tl.sum(m * q[None, :], axis=1))
+        m, o = _delta_step(m, q, k, v, decay, beta)
+        tl.store(o_ptr + r * P + h * K + rows, o)
     if FUSED:
         # One thread performs the scalar atomic. The barrier puts every thread's output stores before it,
         # and its release (cumulative through the barrier) publishes them at GPU scope. The head's
@@ -183,12 +227,53 @@ def _kda_finish_kernel(
     _gated_norm_rows(gate_ptr, s_gn, onorm_ptr, o_ptr, out_ptr, s_on, n * T, h, P, eps, T, K, "")
 
 
+@triton.jit
+def _kda_head_kernel(
+    x_ptr, s_xn, f_ptr, s_fn, b_ptr, s_bn,
+    conv_w_ptr, conv_ptr, s_cs, s_cc, s_cw, a_log_ptr, dt_bias_ptr,
+    rec_ptr, s_rs, s_rh, s_rv, s_rk, slots_ptr, fresh_ptr,
+    gate_ptr, s_gn, onorm_ptr, out_ptr, s_on, P, scale, lower_bound, eps,
+    T: tl.constexpr, K: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BOUNDED: tl.constexpr,
+):
+    """Program (n, h) of the one-kernel path: the whole [V, K] state of head h in registers. For each
+    token: the conv, gate, β and q/k norms of the head (what the prep kernel does), the delta-rule step,
+    and the gated RMSNorm of the head's output row, which this program owns whole (no arrival counters,
+    no fp32 output scratch); then the state and the conv tails written back."""
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slots_ptr + n).to(tl.int64)
+    fresh = tl.load(fresh_ptr + n) != 0
+    offs = tl.arange(0, K)
+    sp = rec_ptr + slot * s_rs + h * s_rh + offs[:, None] * s_rv + offs[None, :] * s_rk
+    m = tl.where(fresh, 0.0, tl.load(sp))  # issued first: the state streams in while the conv runs
+    row0 = n * T
+    tail_ptr = conv_ptr + slot * s_cs
+    a = tl.exp(tl.load(a_log_ptr + h))
+    dtb = tl.load(dt_bias_ptr + h * K + offs)
+    wn = tl.load(onorm_ptr + offs)
+    c = h * K + offs  # the head's q channels; k and v are P and 2P further
+    for t in range(T):
+        r = row0 + t
+        q = _conv_out(x_ptr, s_xn, row0, t, conv_w_ptr, tail_ptr, s_cc, s_cw, c, fresh, T, W, WP)
+        k = _conv_out(x_ptr, s_xn, row0, t, conv_w_ptr, tail_ptr, s_cc, s_cw, c + P, fresh, T, W, WP)
+        v = _conv_out(x_ptr, s_xn, row0, t, conv_w_ptr, tail_ptr, s_cc, s_cw, c + 2 * P, fresh, T, W, WP)
+        q = q * (tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale)
+        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+        f = tl.load(f_ptr + r * s_fn + h * K + offs).to(tl.float32) + dtb
+        beta = tl.sigmoid(tl.load(b_ptr + r * s_bn + h).to(tl.float32))
+        m, o = _delta_step(m, q, k, v, _decay_of(f, a, lower_bound, BOUNDED), beta)
+        _gated_norm_row(o, gate_ptr, s_gn, wn, out_ptr, s_on, r, h, eps, K)
+    tl.store(sp, m)
+    _, part, lanes = _head_lanes(P, h, K)
+    _shift_tails(x_ptr, s_xn, row0, tail_ptr, s_cc, s_cw, lanes, part < 3, fresh, T, W, WP)
+
+
 def kda_decode_multi(
     x: torch.Tensor, f: torch.Tensor, b: torch.Tensor, gate: torch.Tensor, conv_weight: torch.Tensor,
     conv_pool: torch.Tensor, rec_pool: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
     o_norm_weight: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor, scale: float, eps: float,
     lower_bound: float | None, tokens_per_seq: int, num_warps: int | None = None, block_v: int | None = None,
-    fused_finish: bool = True,
+    fused_finish: bool = True, pdl: bool = False, one_kernel: bool = False,
 ) -> torch.Tensor:
     """T = tokens_per_seq new tokens for each of N sequences (rows sequence-major, N*T in all): T recurrent
     steps per sequence, as T calls of `kda_decode` would make them. Updates the slots in place (state and
@@ -198,6 +283,10 @@ def kda_decode_multi(
     logits (each may be a column slice of a wider projection: only the last dim must be unit-stride);
     slots, fresh [N]; conv_pool [slots, 3P, W-1] and rec_pool [slots, H, V, K] are this layer's views.
     fused_finish=False runs the output norm as a third launch (the former path, kept to compare against).
+    pdl (CUDA only, ignored elsewhere): the state kernel is launched as a programmatic dependent of the
+    prep kernel and loads its state rows while the prep kernel still runs (same results, bit for bit).
+    one_kernel: one program per (sequence, head) does everything (`_kda_head_kernel`, num_warps default
+    8); block_v, fused_finish and pdl are then unused.
     Calls on one device must not overlap in time (one stream, as the engine runs them): they share the
     arrival counters.
     """
@@ -213,25 +302,38 @@ def kda_decode_multi(
     out = torch.empty(n * t, p, dtype=x.dtype, device=x.device)
     if n == 0:
         return out
+    wp = triton.next_power_of_2(w)
+    lb, bounded = 0.0 if lower_bound is None else float(lower_bound), lower_bound is not None
+    if one_kernel:
+        _kda_head_kernel[(n, h)](
+            x, x.stride(0), f, f.stride(0), b, b.stride(0), conv_weight, conv_pool, *conv_pool.stride(),
+            a_log, dt_bias, rec_pool, *rec_pool.stride(), slots, fresh,
+            gate, gate.stride(0), o_norm_weight, out, out.stride(0), p, scale, lb, eps,
+            T=t, K=kd, W=w, WP=wp, BOUNDED=bounded, num_warps=num_warps or 8,
+        )
+        return out
     # measured on an H200 (graph replay, 32 heads x 128): batch 1 best with 8 rows on 4 warps, batch 64 with
     # 8 rows on 1-2 warps (73% of copy), batch 256 with 32 rows on one warp (78%)
     bv_default, warps_default = (8, 4) if n * h < 4 * 132 else (8, 2) if n * h < 8192 else (32, 1)
     bv = min(block_v or bv_default, kd)  # never more rows than V: rows past it are another head's
     num_warps = num_warps or warps_default
-    wp = triton.next_power_of_2(w)
+    pdl = pdl and x.is_cuda  # griddepcontrol is inline PTX: compiled kernels only, never the interpreter
     qkvg = torch.empty(n * t, h, 4, kd, dtype=torch.float32, device=x.device)
     beta = torch.empty(n * t, h, dtype=torch.float32, device=x.device)
     o_raw = torch.empty(n * t, p, dtype=torch.float32, device=x.device)
+    # before the prep launch: growing the counters launches a fill, which must not come between the two
+    # kernels (the state kernel's programmatic dependency is on the launch just before it)
+    arrivals = arrival_counters(x.device, n * h) if fused_finish else o_raw  # unused without fused_finish
     _kda_prep_kernel[(n, h)](
         x, x.stride(0), f, f.stride(0), b, b.stride(0), conv_weight, conv_pool, *conv_pool.stride(),
-        a_log, dt_bias, slots, fresh, qkvg, beta, p, h, scale, 0.0 if lower_bound is None else float(lower_bound),
-        T=t, K=kd, W=w, WP=wp, BOUNDED=lower_bound is not None, num_warps=4,
+        a_log, dt_bias, slots, fresh, qkvg, beta, p, h, scale, lb,
+        T=t, K=kd, W=w, WP=wp, BOUNDED=bounded, PDL=pdl, num_warps=4,
     )
-    arrivals = arrival_counters(x.device, n * h) if fused_finish else o_raw  # unused without fused_finish
+    extra = {"launch_pdl": True} if pdl else {}
     _kda_state_kernel[(n, h, triton.cdiv(kd, bv))](
         qkvg, beta, rec_pool, *rec_pool.stride(), slots, fresh, o_raw, p, h,
         gate, gate.stride(0), o_norm_weight, out, out.stride(0), arrivals, eps,
-        T=t, K=kd, BV=bv, FUSED=fused_finish, num_warps=num_warps,
+        T=t, K=kd, BV=bv, FUSED=fused_finish, PDL=pdl, num_warps=num_warps, **extra,
     )
     if not fused_finish:
         _kda_finish_kernel[(n, h)](gate, gate.stride(0), o_norm_weight, o_raw, out, out.stride(0), p, eps, T=t, K=kd,
@@ -244,12 +346,14 @@ def kda_decode(
     conv_pool: torch.Tensor, rec_pool: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
     o_norm_weight: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor, scale: float, eps: float,
     lower_bound: float | None, num_warps: int | None = None, block_v: int | None = None, fused_finish: bool = True,
+    pdl: bool = False, one_kernel: bool = False,
 ) -> torch.Tensor:
     """One token for each of N sequences; updates the slots in place, returns the normed output [N, P].
 
     x [N, 3P] pre-conv q|k|v; f [N, P] raw gate input; b [N, H] β logits; gate [N, P] output-gate
     logits (each may be a column slice of a wider projection: only the last dim must be unit-stride);
     conv_pool [slots, 3P, W-1] and rec_pool [slots, H, V, K] are this layer's views of the pools.
+    pdl, one_kernel: see `kda_decode_multi`.
     """
     return kda_decode_multi(x, f, b, gate, conv_weight, conv_pool, rec_pool, a_log, dt_bias, o_norm_weight, slots,
-                            fresh, scale, eps, lower_bound, 1, num_warps, block_v, fused_finish)
+                            fresh, scale, eps, lower_bound, 1, num_warps, block_v, fused_finish, pdl, one_kernel)

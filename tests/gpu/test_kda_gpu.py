@@ -30,10 +30,21 @@ def _params(gen):
     )
 
 
-@pytest.mark.parametrize("fused_finish", [True, False], ids=["two-launches", "three-launches"])
+# the launch options besides the default: kwargs of kda_decode / kda_decode_multi
+OPTIONS = {
+    "three-launches": dict(fused_finish=False),
+    "pdl": dict(pdl=True),
+    "pdl-three-launches": dict(pdl=True, fused_finish=False),
+    "one-kernel-w4": dict(one_kernel=True, num_warps=4),
+    "one-kernel-w8": dict(one_kernel=True, num_warps=8),
+    "one-kernel-w16": dict(one_kernel=True, num_warps=16),
+}
+
+
+@pytest.mark.parametrize("option", ["default", *OPTIONS])
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
 @pytest.mark.parametrize("n", [1, 7, 64, 300])
-def test_decode_kernel_matches_reference(lower_bound, n, fused_finish):
+def test_decode_kernel_matches_reference(lower_bound, n, option):
     from hyserve.ops.kda_decode import kda_decode
 
     gen = torch.Generator("cuda").manual_seed(n)
@@ -62,7 +73,7 @@ def test_decode_kernel_matches_reference(lower_bound, n, fused_finish):
 
     untouched = conv[:, 0].clone(), rec[:, 0].clone()
     out = kda_decode(x, f, b, gate, pr["cw"], conv[:, 1], rec[:, 1], pr["alog"], pr["dtb"], pr["onw"], slots,
-                     fresh, K**-0.5, 1e-5, lower_bound, fused_finish=fused_finish)
+                     fresh, K**-0.5, 1e-5, lower_bound, **OPTIONS.get(option, {}))
     torch.cuda.synchronize()
     assert rel_err(out, o_ref) < 1e-2
     assert rel_err(rec[slots, 1], new_st) < 1e-2  # q/k/v are rounded to bf16: an ulp flip moves the state ~1e-3
@@ -107,10 +118,11 @@ def test_prefill_varlen_matches_reference(lower_bound):
         assert rel_err(final[i], sr) < 2e-2, i
 
 
+@pytest.mark.parametrize("option", ["default", "pdl", "one-kernel-w8", "one-kernel-w16"])
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
 @pytest.mark.parametrize("n", [1, 64])
-@pytest.mark.parametrize("t", [2, 4, 8])
-def test_multi_token_decode_kernel_matches_reference(lower_bound, n, t):
+@pytest.mark.parametrize("t", [2, 4, 8, 16])
+def test_multi_token_decode_kernel_matches_reference(lower_bound, n, t, option):
     """T tokens per sequence in one launch against T single-token reference steps (spec §2.4, step 6)."""
     from hyserve.ops.kda_decode import kda_decode_multi
 
@@ -147,7 +159,7 @@ def test_multi_token_decode_kernel_matches_reference(lower_bound, n, t):
     others[slots] = False
     untouched = conv[:, 0].clone(), rec[:, 0].clone(), conv[others, 1].clone(), rec[others, 1].clone()
     out = kda_decode_multi(x, f, b, gate, pr["cw"], conv[:, 1], rec[:, 1], pr["alog"], pr["dtb"], pr["onw"], slots,
-                           fresh, K**-0.5, 1e-5, lower_bound, t)
+                           fresh, K**-0.5, 1e-5, lower_bound, t, **OPTIONS.get(option, {}))
     torch.cuda.synchronize()
     assert out.shape == (n * t, P)
     assert rel_err(out, o_ref) < 1e-2
@@ -208,6 +220,56 @@ def test_fused_finish_under_graph_replay_equals_the_finish_launch(n, t, capture_
         # the same raw rows; the norm's sum may reduce in another order (other warp counts): bf16 ulps at most
         assert rel_err(out, want) < 2e-3, step
         assert rel_err(rec, rec_ref) < 1e-6 and torch.equal(conv, conv_ref), step
+        assert all(int(buf.count_nonzero()) == 0 for buf in arrival._BUFFERS.get(x.device, [])), step
+
+
+@pytest.mark.parametrize("option", ["pdl", "one-kernel-w8"])
+@pytest.mark.parametrize(("n", "t"), [(3, 1), (64, 1), (64, 4), (300, 1)])
+def test_option_under_graph_replay_equals_its_eager_call(n, t, option):
+    """Replays of a graph of two back-to-back calls (the second on the states the first wrote, as the
+    layers of a step graph follow one another) equal the same calls made eagerly, bit for bit: for pdl
+    against the plain launches (the same arithmetic; only the launch overlaps), for one-kernel against
+    itself. Each replay runs on new inputs and on the states the one before wrote."""
+    from hyserve.ops import kda_decode as dec
+
+    gen = torch.Generator("cuda").manual_seed(20 * n + t)
+    dev, bf = "cuda", torch.bfloat16
+    pr = _params(gen)
+    slots_total = n + 5
+    x, f, gate = (torch.empty(n * t, c, device=dev, dtype=bf) for c in (3 * P, P, P))
+    b = torch.empty(n * t, H, device=dev, dtype=bf)
+    conv = torch.randn(slots_total, 3 * P, W - 1, device=dev, generator=gen).to(bf)
+    rec = torch.randn(slots_total, H, K, K, device=dev, generator=gen) * 0.1
+    slots = torch.randperm(slots_total, device=dev, generator=gen)[:n]
+    fresh = torch.zeros(n, dtype=torch.bool, device=dev)
+    kw = OPTIONS[option] if option != "pdl" else {}  # the eager reference: pdl's plain counterpart
+
+    def decode(conv_: torch.Tensor, rec_: torch.Tensor, **opts) -> list[torch.Tensor]:
+        return [dec.kda_decode_multi(x, f, b, gate, pr["cw"], conv_, rec_, pr["alog"], pr["dtb"], pr["onw"], slots,
+                                     fresh, K**-0.5, 1e-5, -5.0, t, **opts) for _ in range(2)]
+
+    for y in (x, f, b, gate):
+        y.copy_(torch.randn(y.shape, device=dev, generator=gen))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        decode(conv.clone(), rec.clone(), **OPTIONS[option])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = decode(conv, rec, **OPTIONS[option])
+
+    conv_ref, rec_ref = conv.clone(), rec.clone()
+    for step in range(3):
+        for y in (x, f, b, gate):
+            y.copy_(torch.randn(y.shape, device=dev, generator=gen))
+        fresh.copy_(torch.rand(n, device=dev, generator=gen) < (0.3 if step == 1 else 0.0))
+        wants = decode(conv_ref, rec_ref, **kw)
+        graph.replay()
+        torch.cuda.synchronize()
+        for out, want in zip(outs, wants, strict=True):
+            assert torch.equal(out, want), step
+        assert torch.equal(rec, rec_ref) and torch.equal(conv, conv_ref), step
         assert all(int(buf.count_nonzero()) == 0 for buf in arrival._BUFFERS.get(x.device, [])), step
 
 
