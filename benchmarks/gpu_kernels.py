@@ -48,14 +48,14 @@ def kda_rows(ceil, gen) -> list[str]:
     for n in (1, 64, 256):
         args = (*_kda_inputs(n, 1, h, k, w, gen), k**-0.5, 1e-5, None)
         best = None
-        default = time_graph_per_call_ms(lambda: kda_decode(*args))
-        default3 = time_graph_per_call_ms(lambda: kda_decode(*args, fused_finish=False))
+        default = time_graph_per_call_ms(lambda: kda_decode(*args, pdl=False))
+        default3 = time_graph_per_call_ms(lambda: kda_decode(*args, fused_finish=False, pdl=False))
         for bv in (8, 32) if QUICK else (4, 8, 16, 32):
             for nw in (1, 2, 4) if QUICK else (1, 2, 4, 8):
-                ms = time_graph_per_call_ms(lambda nw=nw, bv=bv: kda_decode(*args, num_warps=nw, block_v=bv))
+                ms = time_graph_per_call_ms(lambda nw=nw, bv=bv: kda_decode(*args, num_warps=nw, block_v=bv, pdl=False))
                 best = (ms, bv, nw) if best is None or ms < best[0] else best
         ms, bv, nw = best
-        ms3 = time_graph_per_call_ms(lambda: kda_decode(*args, num_warps=nw, block_v=bv, fused_finish=False))
+        ms3 = time_graph_per_call_ms(lambda: kda_decode(*args, num_warps=nw, block_v=bv, fused_finish=False, pdl=False))
         # the launch options: PDL (state kernel launched early, its state loads overlapping the prep kernel)
         # at the default and the best config; the whole-head single kernel at 4, 8, 16 warps
         pdl = time_graph_per_call_ms(lambda: kda_decode(*args, pdl=True))
@@ -264,7 +264,9 @@ def moe_rows(ceil, gen) -> list[str]:
         note = f"Triton grouped GEMM: {tm * 1e3:.1f} µs = {byts_of(ids, d, inter) / tm / 1e9:.2f} TB/s, {ms / tm:.2f}x grouped_mm"
         if t <= 8:
             gm = time_graph_ms(lambda: experts_forward_gemv(x, ids, w, w13, w2, act), 20)
-            note += f"; Triton GEMV path: {gm * 1e3:.1f} µs = {byts_of(ids, d, inter) / gm / 1e9:.2f} TB/s"
+            gm0 = time_graph_ms(lambda: experts_forward_gemv(x, ids, w, w13, w2, act, pdl=False), 20)
+            note += (f"; Triton GEMV path: {gm * 1e3:.1f} µs = {byts_of(ids, d, inter) / gm / 1e9:.2f} TB/s, "
+                     f"without PDL {gm0 * 1e3:.1f} µs ({gm0 / gm:.2f}x)")
         distinct = int(torch.unique(ids).numel())
         byts = distinct * 3 * d * inter * 2
         flops = 2 * t * k * 3 * d * inter

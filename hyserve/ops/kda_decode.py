@@ -273,7 +273,7 @@ def kda_decode_multi(
     conv_pool: torch.Tensor, rec_pool: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
     o_norm_weight: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor, scale: float, eps: float,
     lower_bound: float | None, tokens_per_seq: int, num_warps: int | None = None, block_v: int | None = None,
-    fused_finish: bool = True, pdl: bool = False, one_kernel: bool = False,
+    fused_finish: bool = True, pdl: bool | None = None, one_kernel: bool = False,
 ) -> torch.Tensor:
     """T = tokens_per_seq new tokens for each of N sequences (rows sequence-major, N*T in all): T recurrent
     steps per sequence, as T calls of `kda_decode` would make them. Updates the slots in place (state and
@@ -283,7 +283,7 @@ def kda_decode_multi(
     logits (each may be a column slice of a wider projection: only the last dim must be unit-stride);
     slots, fresh [N]; conv_pool [slots, 3P, W-1] and rec_pool [slots, H, V, K] are this layer's views.
     fused_finish=False runs the output norm as a third launch (the former path, kept to compare against).
-    pdl (CUDA only, ignored elsewhere): the state kernel is launched as a programmatic dependent of the
+    pdl (default: on a CUDA GPU of compute capability 9+; ignored elsewhere): the state kernel is launched as a programmatic dependent of the
     prep kernel and loads its state rows while the prep kernel still runs (same results, bit for bit).
     one_kernel: one program per (sequence, head) does everything (`_kda_head_kernel`, num_warps default
     8); block_v, fused_finish and pdl are then unused.
@@ -317,6 +317,8 @@ def kda_decode_multi(
     bv_default, warps_default = (8, 4) if n * h < 4 * 132 else (8, 2) if n * h < 8192 else (32, 1)
     bv = min(block_v or bv_default, kd)  # never more rows than V: rows past it are another head's
     num_warps = num_warps or warps_default
+    if pdl is None:  # on by default where programmatic dependent launch exists (sm_90+)
+        pdl = x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
     pdl = pdl and x.is_cuda  # griddepcontrol is inline PTX: compiled kernels only, never the interpreter
     qkvg = torch.empty(n * t, h, 4, kd, dtype=torch.float32, device=x.device)
     beta = torch.empty(n * t, h, dtype=torch.float32, device=x.device)
@@ -346,7 +348,7 @@ def kda_decode(
     conv_pool: torch.Tensor, rec_pool: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
     o_norm_weight: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor, scale: float, eps: float,
     lower_bound: float | None, num_warps: int | None = None, block_v: int | None = None, fused_finish: bool = True,
-    pdl: bool = False, one_kernel: bool = False,
+    pdl: bool | None = None, one_kernel: bool = False,
 ) -> torch.Tensor:
     """One token for each of N sequences; updates the slots in place, returns the normed output [N, P].
 

@@ -40,6 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hyserve.ops.ptx import prefetch_l2
+
 
 @triton.jit
 def _dot(a, b, IEEE: tl.constexpr):
@@ -98,17 +100,6 @@ def _softmax_tile_rows(qc, qr, kc, kr, valid, m, l_sum, acc, qk_scale, DR: tl.co
     l_sum = l_sum * alpha + tl.sum(p, axis=0)
     acc = acc * alpha[None, :] + _dot(tl.trans(kc), p.to(kc.dtype), IEEE)
     return m_new, l_sum, acc
-
-
-@triton.jit
-def _prefetch_l2(ptr, nbytes):
-    """Thread 0 asks the copy engine to pull [ptr, ptr + nbytes) into L2 (16-byte aligned, a multiple of
-    16 bytes); nothing waits for it. A hint: it never faults a program or changes a result."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1,
-    )
 
 
 @triton.jit
@@ -173,7 +164,7 @@ def _mla_split_kernel(
     if PREFETCH > 0:
         for j in tl.static_range(PREFETCH):
             if t0 + j < t1:
-                _prefetch_l2(_tile_base(pages_ptr, s_pb, ids, ti, t0 + j, t0, BS, BN, W), tile_bytes)
+                prefetch_l2(_tile_base(pages_ptr, s_pb, ids, ti, t0 + j, t0, BS, BN, W), tile_bytes)
     qrow = q_ptr + n * s_qn + heads * s_qh
     m = tl.full([BH], float("-inf"), tl.float32)
     l_sum = tl.zeros([BH], tl.float32)
@@ -188,7 +179,7 @@ def _mla_split_kernel(
     for t in range(t0, t1):
         if PREFETCH > 0:
             if t + PREFETCH < t1:
-                _prefetch_l2(_tile_base(pages_ptr, s_pb, ids, ti, t + PREFETCH, t0, BS, BN, W), tile_bytes)
+                prefetch_l2(_tile_base(pages_ptr, s_pb, ids, ti, t + PREFETCH, t0, BS, BN, W), tile_bytes)
         ptrs, valid = _tile_rows(pages_ptr, s_pb, bt_row, ids, ti, t, t0, end, BS, BN, W)
         kc = tl.load(ptrs[:, None] + dr[None, :], mask=valid[:, None], other=0.0)  # [BN, R], also the value
         kr = tl.load(ptrs[:, None] + R + dq[None, :], mask=valid[:, None], other=0.0)  # [BN, DR]

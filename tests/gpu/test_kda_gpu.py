@@ -30,9 +30,10 @@ def _params(gen):
     )
 
 
-# the launch options besides the default: kwargs of kda_decode / kda_decode_multi
+# the launch options besides the default (PDL on an H200): kwargs of kda_decode / kda_decode_multi
 OPTIONS = {
-    "three-launches": dict(fused_finish=False),
+    "no-pdl": dict(pdl=False),
+    "three-launches": dict(fused_finish=False, pdl=False),
     "pdl": dict(pdl=True),
     "pdl-three-launches": dict(pdl=True, fused_finish=False),
     "one-kernel-w4": dict(one_kernel=True, num_warps=4),
@@ -242,7 +243,7 @@ def test_option_under_graph_replay_equals_its_eager_call(n, t, option):
     rec = torch.randn(slots_total, H, K, K, device=dev, generator=gen) * 0.1
     slots = torch.randperm(slots_total, device=dev, generator=gen)[:n]
     fresh = torch.zeros(n, dtype=torch.bool, device=dev)
-    kw = OPTIONS[option] if option != "pdl" else {}  # the eager reference: pdl's plain counterpart
+    kw = OPTIONS[option] if option != "pdl" else {"pdl": False}  # the eager reference: pdl's plain counterpart
 
     def decode(conv_: torch.Tensor, rec_: torch.Tensor, **opts) -> list[torch.Tensor]:
         return [dec.kda_decode_multi(x, f, b, gate, pr["cw"], conv_, rec_, pr["alog"], pr["dtb"], pr["onw"], slots,
