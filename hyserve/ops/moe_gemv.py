@@ -78,7 +78,7 @@ def _up_kernel(
 
 @triton.jit
 def _down_kernel(
-    a_ptr, s_am, w_ptr, s_we, s_wr, ids_ptr, wts_ptr, down_off, part_ptr, s_pm, N, inter,
+    a_ptr, s_am, w_ptr, s_we, s_wr, ids_ptr, wts_ptr, down_off, part_ptr, s_pm, N, inter, row_bytes,
     K_ROUTED: tl.constexpr, SHARED: tl.constexpr, SILU_GLU: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -102,8 +102,7 @@ def _down_kernel(
     rmask = rows < N
     if PDL:
         for i in tl.static_range(BN):
-            prefetch_l2(w_ptr + base + tl.minimum(rb * BN + i, N - 1) * s_wr,
-                        inter * (w_ptr.dtype.element_ty.primitive_bitsize // 8))
+            prefetch_l2(w_ptr + base + tl.minimum(rb * BN + i, N - 1) * s_wr, row_bytes)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     acc = _gemv_rows(w_ptr, base, s_wr, rows, rmask, a_ptr + p * s_am, inter, inter, SILU_GLU, BN, BK)
@@ -206,7 +205,7 @@ def experts_forward_gemv(
     block_n, block_k, num_warps, num_stages = down
     _down_kernel[(t * pairs, triton.cdiv(d, block_n))](
         a, a.stride(0), w2, w2.stride(0), w2.stride(1), ids, weights, offs[2], part, part.stride(0), d, inter,
-        K_ROUTED=k, SHARED=shared is not None, SILU_GLU=silu, BN=block_n, BK=block_k, PDL=pdl, num_warps=num_warps,
+        inter * w2.element_size(), K_ROUTED=k, SHARED=shared is not None, SILU_GLU=silu, BN=block_n, BK=block_k, PDL=pdl, num_warps=num_warps,
         num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
     )
     return sum_pairs(part, pairs, x.dtype, pdl=pdl)

@@ -36,13 +36,11 @@ OPTIONS = {
     "three-launches": dict(fused_finish=False, pdl=False),
     "pdl": dict(pdl=True),
     "pdl-three-launches": dict(pdl=True, fused_finish=False),
-    "one-kernel-w4": dict(one_kernel=True, num_warps=4),
     "one-kernel-w8": dict(one_kernel=True, num_warps=8),
-    "one-kernel-w16": dict(one_kernel=True, num_warps=16),
 }
 
 
-@pytest.mark.parametrize("option", ["default", *OPTIONS])
+@pytest.mark.parametrize("option", list(OPTIONS))  # the default is PDL on an H200
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
 @pytest.mark.parametrize("n", [1, 7, 64, 300])
 def test_decode_kernel_matches_reference(lower_bound, n, option):
@@ -119,10 +117,10 @@ def test_prefill_varlen_matches_reference(lower_bound):
         assert rel_err(final[i], sr) < 2e-2, i
 
 
-@pytest.mark.parametrize("option", ["default", "pdl", "one-kernel-w8", "one-kernel-w16"])
+@pytest.mark.parametrize("option", ["no-pdl", "pdl", "one-kernel-w8"])
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
 @pytest.mark.parametrize("n", [1, 64])
-@pytest.mark.parametrize("t", [2, 4, 8, 16])
+@pytest.mark.parametrize("t", [2, 16])
 def test_multi_token_decode_kernel_matches_reference(lower_bound, n, t, option):
     """T tokens per sequence in one launch against T single-token reference steps (spec §2.4, step 6)."""
     from hyserve.ops.kda_decode import kda_decode_multi

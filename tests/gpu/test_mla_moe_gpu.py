@@ -233,8 +233,8 @@ def test_fused_router_selects_as_the_reference(tokens):
 
 @pytest.mark.parametrize("tokens", [1, 4])
 def test_one_launch_router_selects_as_logits_then_selection(tokens):
-    """48B router shape from bf16 activations, twice in a row (the arrival counter is reset): the same
-    experts as the reference on the same fp32 logits, weights to fp32 rounding of the GEMV's sum order."""
+    """48B router shape from bf16 activations, twice in a row: the same experts as the reference on the
+    same fp32 logits, weights to fp32 rounding of the GEMV's sum order."""
     from hyserve.ops.router_topk import router_fused
 
     gen = torch.Generator(device="cuda").manual_seed(10 + tokens)
