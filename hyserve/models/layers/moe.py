@@ -17,10 +17,10 @@ from hyserve.ops.moe_gemv import experts_forward_gemv, shared_fits
 from hyserve.ops.moe_grouped import experts_forward_grouped, grouped_mm_available
 from hyserve.ops.moe_triton import experts_forward_triton
 
-# up to this many tokens the router's GEMM and selection run as one launch (its last program selects for
-# every token, serially): 10.4 µs against 10.8 for cast + cuBLAS GEMV + selection at 1 token, but 26 against
-# 17.6 µs at 4 tokens (H200, 26 layers' weights in one graph, 2026-11-30)
-FUSED_ROUTER_MAX_TOKENS = 1
+# up to this many tokens the router runs as a tile-parallel GEMV into partial logits and a selection kernel
+# (no cast, no cuBLAS): 11.4 against 13.3 µs for cast + cuBLAS GEMV + selection at 1 token, 12.8 against
+# 19.9 µs at 4 tokens (H200, 26 layers' weights in one graph, 2026-11-30)
+FUSED_ROUTER_MAX_TOKENS = 4
 
 
 def _linear(i: int, o: int) -> nn.Linear:
