@@ -39,9 +39,9 @@ QUICK = os.environ.get("HYSERVE_BENCH_QUICK") == "1"  # a smaller sweep for shor
 def kda_rows(ceil, gen) -> list[str]:
     """One token per sequence: the default path (output norm in the state kernel's last arrival per head,
     two launches) swept over its block configs, and next to it the former three launches (a separate
-    finish kernel) at the same best config and at the default one; in the note, the launch options (PDL,
-    the whole-head single kernel at 4/8/16 warps). Per call in a graph of 8 calls, as the
-    engine's step graph runs 20 KDA layers (batch 1's 2 MB of state stays in L2 across the calls)."""
+    finish kernel) at the same best config and at the default one; in the note, PDL. Per call in a graph
+    of 8 calls, as the engine's step graph runs 20 KDA layers (batch 1's 2 MB of state stays in L2 across
+    the calls)."""
     h, k, w = 32, 128, 4
     p = h * k
     rows = []
@@ -56,17 +56,12 @@ def kda_rows(ceil, gen) -> list[str]:
                 best = (ms, bv, nw) if best is None or ms < best[0] else best
         ms, bv, nw = best
         ms3 = time_graph_per_call_ms(lambda: kda_decode(*args, num_warps=nw, block_v=bv, fused_finish=False, pdl=False))
-        # the launch options: PDL (state kernel launched early, its state loads overlapping the prep kernel)
-        # at the default and the best config; the whole-head single kernel at 4, 8, 16 warps
+        # PDL (state kernel launched early, its state loads overlapping the prep kernel) at the default and
+        # the best config
         pdl = time_graph_per_call_ms(lambda: kda_decode(*args, pdl=True))
         pdl_best = time_graph_per_call_ms(lambda: kda_decode(*args, num_warps=nw, block_v=bv, pdl=True))
-        one = {w_: time_graph_per_call_ms(lambda w_=w_: kda_decode(*args, one_kernel=True, num_warps=w_))
-               for w_ in (4, 8, 16)}
-        one_w = min(one, key=one.get)
         options = (f"PDL {pdl * 1e3:.1f} µs at the default config ({pdl / default:.2f}x it), {pdl_best * 1e3:.1f} µs "
-                   f"at the best ({pdl_best / ms:.2f}x); one kernel w4/w8/w16 "
-                   f"{'/'.join(f'{one[w_] * 1e3:.1f}' for w_ in (4, 8, 16))} µs, best w{one_w} "
-                   f"{one[one_w] * 1e3:.1f} µs ({one[one_w] / ms:.2f}x the best two-launch)")
+                   f"at the best ({pdl_best / ms:.2f}x)")
         byts = n * h * k * k * 4 * 2 + n * (3 * p * 2 * 2 + 3 * p * 3 * 2 * 2 + 3 * p * 2)
         floor = byts / (ceil["copy_tbs"] * 1e12) * 1e3
         for name, t, note in (
@@ -119,13 +114,12 @@ def kda_multi_rows(ceil, gen) -> list[str]:
                 best = (ms, f"block_v {bv}, num_warps {nw}") if best is None or ms < best[0] else best
         ms, cfg = best
         pdl = time_ms(lambda: kda_decode_multi(x, f, b, g, *args, t, pdl=True), 3, 50)
-        one = time_ms(lambda: kda_decode_multi(x, f, b, g, *args, t, one_kernel=True, num_warps=8), 3, 50)
         # state and conv tails read + written once per sequence; per token q|k|v, f, gate, β in and the output out
         byts = n * (h * k * k * 4 * 2 + 3 * p * (w - 1) * 2 * 2) + n * t * (3 * p * 2 + 3 * p * 2 + h * 2)
         floor = byts / (ceil["copy_tbs"] * 1e12) * 1e3
         note = (f"best of sweep: {cfg}; default config {default * 1e3:.1f} µs (three launches, finish kernel: "
                 f"{three * 1e3:.1f} µs); {t} single-token launches {singles * 1e3:.1f} µs; default config with PDL "
-                f"{pdl * 1e3:.1f} µs; one kernel (8 warps) {one * 1e3:.1f} µs")
+                f"{pdl * 1e3:.1f} µs")
         rows.append(f"| KDA decode, batch {n} x {t} tokens | {ms * 1e3:.1f} µs | {byts / 1e6:.1f} MB | "
                     f"{byts / ms / 1e9:.2f} TB/s | {floor * 1e3:.1f} µs | {floor / ms:.0%} | {note} |")
     return rows
@@ -346,8 +340,9 @@ def gemv_rows(ceil, gen) -> list[str]:
 
 
 def router_rows(ceil, gen) -> list[str]:
-    """The 48B router (256 experts x 2304, fp32 weight) at 1 and 4 tokens: one launch (logits, then the last
-    program selects) against the cast + cuBLAS GEMV + selection kernel, 26 layers' weights in one graph."""
+    """The 48B router (256 experts x 2304, fp32 weight) at 1 and 4 tokens: `router_fused` (partial logits over
+    a grid of weight tiles, then the selection kernel) against the cast + cuBLAS GEMV + selection kernel, 26
+    layers' weights in one graph."""
     from hyserve.ops.router_topk import route_topk_fast, router_fused
 
     rows = []
@@ -366,7 +361,7 @@ def router_rows(ceil, gen) -> list[str]:
         ms, cfg = best
         byts = 256 * 2304 * 4
         floor = byts / (ceil["copy_tbs"] * 1e12) * 1e3
-        rows.append(f"| router {t} token(s), one launch | {ms * 1e3:.1f} µs | {byts / 1e6:.1f} MB | "
+        rows.append(f"| router {t} token(s), tile GEMV + selection | {ms * 1e3:.1f} µs | {byts / 1e6:.1f} MB | "
                     f"{byts / ms / 1e9:.2f} TB/s | {floor * 1e3:.1f} µs | {floor / ms:.0%} | best (block_e, block_d, "
                     f"warps) {cfg}; cast + GEMV + selection {old * 1e3:.1f} µs, {old / ms:.2f}x |")
     return rows

@@ -163,68 +163,6 @@ def test_fused_finish_equals_the_finish_launch_and_leaves_its_counters_zero(dec,
             case["x"] = case["x"].roll(1, 0)  # other tokens: the second output must not repeat the first
 
 
-@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "bounded"])
-@pytest.mark.parametrize("fresh", [[False], [True], [True, False, False]], ids=["b1", "b1-fresh", "b3-mixed"])
-@pytest.mark.parametrize("t", [1, 3, 16])
-def test_one_kernel_matches_sequential_reference(dec, t, fresh, lower_bound):
-    """The whole-head kernel (one program per sequence and head, one launch): outputs and states as T
-    reference steps, fresh slots (NaN-filled) read as zero."""
-    c = make_case(len(fresh), t, fresh, seed=300 + 10 * t + len(fresh) + fresh[0])
-    out_ref, st_ref, _ = reference(c, t, lower_bound)
-    out = run_multi(dec, c, t, lower_bound, one_kernel=True)
-    assert out.shape == (len(fresh) * t, P) and out.dtype == c["x"].dtype
-    assert rel_err(out, out_ref) < 1e-5
-    assert rel_err(c["rec"][c["slots"], 1], st_ref) < 1e-5
-
-
-@pytest.mark.parametrize("t", [1, 3])
-def test_one_kernel_shifts_conv_tails_exactly(dec, t):
-    c = make_case(3, t, [False, True, False], seed=40 + t)
-    _, _, tails_ref = reference(c, t, None)
-    run_multi(dec, c, t, None, one_kernel=True)
-    assert torch.equal(c["conv"][c["slots"], 1], tails_ref.float())  # copies of inputs: exact
-
-
-def test_one_kernel_leaves_other_slots_and_layers_alone(dec):
-    c = make_case(3, 2, [False, True, False], seed=43)
-    others = [s for s in range(SLOTS) if s not in c["slots"].tolist()]
-    before = c["conv"].clone(), c["rec"].clone()
-    run_multi(dec, c, 2, -5.0, one_kernel=True)
-    assert torch.equal(c["conv"][:, 0], before[0][:, 0]) and torch.equal(c["rec"][:, 0], before[1][:, 0])
-    assert torch.equal(c["conv"][others], before[0][others]) and torch.equal(c["rec"][others], before[1][others])
-
-
-@pytest.mark.parametrize("t", [1, 3])
-def test_one_kernel_updates_slots_in_place_across_calls(dec, t):
-    """Three calls in a row, each on the states and tails the one before wrote (as decode steps run), give
-    what the two-launch path gives on its own copy of the pools."""
-    c = make_case(3, t, [False, True, False], seed=50 + t)
-    two = {k: v.clone() for k, v in c.items()}
-    for step in range(3):
-        out = run_multi(dec, c, t, None, one_kernel=True)
-        want = run_multi(dec, two, t, None)
-        assert rel_err(out, want) < 1e-5, step
-        assert rel_err(c["rec"], two["rec"]) < 1e-5 and torch.equal(c["conv"], two["conv"]), step
-        for case in (c, two):
-            case["fresh"] = torch.zeros_like(case["fresh"])
-            case["x"] = case["x"].roll(1, 0)
-
-
-@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "bounded"])
-def test_one_kernel_bf16_inputs_and_conv_pool(dec, lower_bound):
-    """As test_bf16_inputs_and_conv_pool, for the whole-head kernel."""
-    t = 3
-    c = make_case(3, t, [False, True, False], seed=12)
-    for name in ("x", "f", "b", "gate", "conv"):
-        c[name] = c[name].to(torch.bfloat16)
-    out_ref, st_ref, tails_ref = reference(c, t, lower_bound)
-    out = run_multi(dec, c, t, lower_bound, one_kernel=True)
-    assert out.dtype == torch.bfloat16
-    assert rel_err(out, out_ref) < 2e-2
-    assert rel_err(c["rec"][c["slots"], 1], st_ref) < 2e-2
-    assert torch.equal(c["conv"][c["slots"], 1], tails_ref.to(torch.bfloat16))
-
-
 def test_pdl_is_ignored_off_cuda(dec):
     """pdl=True on CPU tensors runs the same kernels without the griddepcontrol instructions."""
     c = make_case(3, 2, [False, True, False], seed=60)

@@ -227,53 +227,12 @@ def _kda_finish_kernel(
     _gated_norm_rows(gate_ptr, s_gn, onorm_ptr, o_ptr, out_ptr, s_on, n * T, h, P, eps, T, K, "")
 
 
-@triton.jit
-def _kda_head_kernel(
-    x_ptr, s_xn, f_ptr, s_fn, b_ptr, s_bn,
-    conv_w_ptr, conv_ptr, s_cs, s_cc, s_cw, a_log_ptr, dt_bias_ptr,
-    rec_ptr, s_rs, s_rh, s_rv, s_rk, slots_ptr, fresh_ptr,
-    gate_ptr, s_gn, onorm_ptr, out_ptr, s_on, P, scale, lower_bound, eps,
-    T: tl.constexpr, K: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BOUNDED: tl.constexpr,
-):
-    """Program (n, h) of the one-kernel path: the whole [V, K] state of head h in registers. For each
-    token: the conv, gate, β and q/k norms of the head (what the prep kernel does), the delta-rule step,
-    and the gated RMSNorm of the head's output row, which this program owns whole (no arrival counters,
-    no fp32 output scratch); then the state and the conv tails written back."""
-    n = tl.program_id(0)
-    h = tl.program_id(1)
-    slot = tl.load(slots_ptr + n).to(tl.int64)
-    fresh = tl.load(fresh_ptr + n) != 0
-    offs = tl.arange(0, K)
-    sp = rec_ptr + slot * s_rs + h * s_rh + offs[:, None] * s_rv + offs[None, :] * s_rk
-    m = tl.where(fresh, 0.0, tl.load(sp))  # issued first: the state streams in while the conv runs
-    row0 = n * T
-    tail_ptr = conv_ptr + slot * s_cs
-    a = tl.exp(tl.load(a_log_ptr + h))
-    dtb = tl.load(dt_bias_ptr + h * K + offs)
-    wn = tl.load(onorm_ptr + offs)
-    c = h * K + offs  # the head's q channels; k and v are P and 2P further
-    for t in range(T):
-        r = row0 + t
-        q = _conv_out(x_ptr, s_xn, row0, t, conv_w_ptr, tail_ptr, s_cc, s_cw, c, fresh, T, W, WP)
-        k = _conv_out(x_ptr, s_xn, row0, t, conv_w_ptr, tail_ptr, s_cc, s_cw, c + P, fresh, T, W, WP)
-        v = _conv_out(x_ptr, s_xn, row0, t, conv_w_ptr, tail_ptr, s_cc, s_cw, c + 2 * P, fresh, T, W, WP)
-        q = q * (tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale)
-        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-        f = tl.load(f_ptr + r * s_fn + h * K + offs).to(tl.float32) + dtb
-        beta = tl.sigmoid(tl.load(b_ptr + r * s_bn + h).to(tl.float32))
-        m, o = _delta_step(m, q, k, v, _decay_of(f, a, lower_bound, BOUNDED), beta)
-        _gated_norm_row(o, gate_ptr, s_gn, wn, out_ptr, s_on, r, h, eps, K)
-    tl.store(sp, m)
-    _, part, lanes = _head_lanes(P, h, K)
-    _shift_tails(x_ptr, s_xn, row0, tail_ptr, s_cc, s_cw, lanes, part < 3, fresh, T, W, WP)
-
-
 def kda_decode_multi(
     x: torch.Tensor, f: torch.Tensor, b: torch.Tensor, gate: torch.Tensor, conv_weight: torch.Tensor,
     conv_pool: torch.Tensor, rec_pool: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
     o_norm_weight: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor, scale: float, eps: float,
     lower_bound: float | None, tokens_per_seq: int, num_warps: int | None = None, block_v: int | None = None,
-    fused_finish: bool = True, pdl: bool | None = None, one_kernel: bool = False,
+    fused_finish: bool = True, pdl: bool | None = None,
 ) -> torch.Tensor:
     """T = tokens_per_seq new tokens for each of N sequences (rows sequence-major, N*T in all): T recurrent
     steps per sequence, as T calls of `kda_decode` would make them. Updates the slots in place (state and
@@ -283,10 +242,11 @@ def kda_decode_multi(
     logits (each may be a column slice of a wider projection: only the last dim must be unit-stride);
     slots, fresh [N]; conv_pool [slots, 3P, W-1] and rec_pool [slots, H, V, K] are this layer's views.
     fused_finish=False runs the output norm as a third launch (the former path, kept to compare against).
-    pdl (default: on a CUDA GPU of compute capability 9+; ignored elsewhere): the state kernel is launched as a programmatic dependent of the
-    prep kernel and loads its state rows while the prep kernel still runs (same results, bit for bit).
-    one_kernel: one program per (sequence, head) does everything (`_kda_head_kernel`, num_warps default
-    8); block_v, fused_finish and pdl are then unused.
+    pdl (default: on a CUDA GPU of compute capability 9+; ignored elsewhere): the state kernel is launched
+    as a programmatic dependent of the prep kernel and loads its state rows while the prep kernel still
+    runs (same results, bit for bit; 0.93x the time at batch 1, even at 64 and 256 on an H200). One
+    program per (sequence, head) doing everything in one launch was 1.2x slower at batch 1 and 1.9x at 64
+    (the whole [V, K] state in registers: 252 a thread at 8 warps, one program per SM).
     Calls on one device must not overlap in time (one stream, as the engine runs them): they share the
     arrival counters.
     """
@@ -304,14 +264,6 @@ def kda_decode_multi(
         return out
     wp = triton.next_power_of_2(w)
     lb, bounded = 0.0 if lower_bound is None else float(lower_bound), lower_bound is not None
-    if one_kernel:
-        _kda_head_kernel[(n, h)](
-            x, x.stride(0), f, f.stride(0), b, b.stride(0), conv_weight, conv_pool, *conv_pool.stride(),
-            a_log, dt_bias, rec_pool, *rec_pool.stride(), slots, fresh,
-            gate, gate.stride(0), o_norm_weight, out, out.stride(0), p, scale, lb, eps,
-            T=t, K=kd, W=w, WP=wp, BOUNDED=bounded, num_warps=num_warps or 8,
-        )
-        return out
     # measured on an H200 (graph replay, 32 heads x 128): batch 1 best with 8 rows on 4 warps, batch 64 with
     # 8 rows on 1-2 warps (73% of copy), batch 256 with 32 rows on one warp (78%)
     bv_default, warps_default = (8, 4) if n * h < 4 * 132 else (8, 2) if n * h < 8192 else (32, 1)
@@ -348,14 +300,14 @@ def kda_decode(
     conv_pool: torch.Tensor, rec_pool: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
     o_norm_weight: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor, scale: float, eps: float,
     lower_bound: float | None, num_warps: int | None = None, block_v: int | None = None, fused_finish: bool = True,
-    pdl: bool | None = None, one_kernel: bool = False,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """One token for each of N sequences; updates the slots in place, returns the normed output [N, P].
 
     x [N, 3P] pre-conv q|k|v; f [N, P] raw gate input; b [N, H] β logits; gate [N, P] output-gate
     logits (each may be a column slice of a wider projection: only the last dim must be unit-stride);
     conv_pool [slots, 3P, W-1] and rec_pool [slots, H, V, K] are this layer's views of the pools.
-    pdl, one_kernel: see `kda_decode_multi`.
+    pdl: see `kda_decode_multi`.
     """
     return kda_decode_multi(x, f, b, gate, conv_weight, conv_pool, rec_pool, a_log, dt_bias, o_norm_weight, slots,
-                            fresh, scale, eps, lower_bound, 1, num_warps, block_v, fused_finish, pdl, one_kernel)
+                            fresh, scale, eps, lower_bound, 1, num_warps, block_v, fused_finish, pdl)
