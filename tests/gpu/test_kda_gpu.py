@@ -167,16 +167,10 @@ def test_multi_token_decode_kernel_matches_reference(lower_bound, n, t, option):
     assert torch.equal(conv[others, 1], untouched[2]) and torch.equal(rec[others, 1], untouched[3])
 
 
-@pytest.mark.parametrize("capture_allocates", [False, True], ids=["shared-counters", "counters-in-graph"])
-@pytest.mark.parametrize(("n", "t"), [(3, 1), (64, 1), (64, 4), (300, 1)])
-def test_fused_finish_under_graph_replay_equals_the_finish_launch(n, t, capture_allocates, monkeypatch):
-    """Replays of one captured graph reuse the same arrival counters: each replay, over new inputs and the
-    states the one before wrote, gives what the three-launch path gives eagerly, and leaves the counters
-    zero for the next. counters-in-graph: no shared buffer is big enough at capture, so the launch gets
-    counters zeroed inside the graph."""
-    from hyserve.ops import kda_decode as dec
-
-    gen = torch.Generator("cuda").manual_seed(10 * n + t)
+def _graph_case(n: int, t: int, seed: int):
+    """Inputs of n sequences x t tokens (filled per replay by the test), pools with n + 5 slots, the slots
+    and fresh flags, for the graph-replay tests."""
+    gen = torch.Generator("cuda").manual_seed(seed)
     dev, bf = "cuda", torch.bfloat16
     pr = _params(gen)
     slots_total = n + 5
@@ -186,13 +180,26 @@ def test_fused_finish_under_graph_replay_equals_the_finish_launch(n, t, capture_
     rec = torch.randn(slots_total, H, K, K, device=dev, generator=gen) * 0.1
     slots = torch.randperm(slots_total, device=dev, generator=gen)[:n]
     fresh = torch.zeros(n, dtype=torch.bool, device=dev)
+    return gen, pr, x, f, gate, b, conv, rec, slots, fresh
+
+
+@pytest.mark.parametrize("capture_allocates", [False, True], ids=["shared-counters", "counters-in-graph"])
+@pytest.mark.parametrize(("n", "t"), [(3, 1), (64, 1), (64, 4), (300, 1)])
+def test_fused_finish_under_graph_replay_equals_the_finish_launch(n, t, capture_allocates, monkeypatch):
+    """Replays of one captured graph reuse the same arrival counters: each replay, over new inputs and the
+    states the one before wrote, gives what the three-launch path gives eagerly, and leaves the counters
+    zero for the next. counters-in-graph: no shared buffer is big enough at capture, so the launch gets
+    counters zeroed inside the graph."""
+    from hyserve.ops import kda_decode as dec
+
+    gen, pr, x, f, gate, b, conv, rec, slots, fresh = _graph_case(n, t, 10 * n + t)
 
     def decode(conv_: torch.Tensor, rec_: torch.Tensor, fused: bool) -> torch.Tensor:
         return dec.kda_decode_multi(x, f, b, gate, pr["cw"], conv_, rec_, pr["alog"], pr["dtb"], pr["onw"], slots,
                                     fresh, K**-0.5, 1e-5, None, t, fused_finish=fused)
 
     for y in (x, f, b, gate):
-        y.copy_(torch.randn(y.shape, device=dev, generator=gen))
+        y.copy_(torch.randn(y.shape, device="cuda", generator=gen))
     side = torch.cuda.Stream()  # compiles and counter growth outside the capture, as torch.cuda.graph expects
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -210,8 +217,8 @@ def test_fused_finish_under_graph_replay_equals_the_finish_launch(n, t, capture_
     conv_ref, rec_ref = conv.clone(), rec.clone()
     for step in range(3):
         for y in (x, f, b, gate):
-            y.copy_(torch.randn(y.shape, device=dev, generator=gen))
-        fresh.copy_(torch.rand(n, device=dev, generator=gen) < (0.3 if step == 1 else 0.0))
+            y.copy_(torch.randn(y.shape, device="cuda", generator=gen))
+        fresh.copy_(torch.rand(n, device="cuda", generator=gen) < (0.3 if step == 1 else 0.0))
         want = decode(conv_ref, rec_ref, False)
         graph.replay()
         torch.cuda.synchronize()
@@ -229,16 +236,7 @@ def test_pdl_under_graph_replay_equals_the_plain_eager_calls(n, t):
     states the one before wrote."""
     from hyserve.ops import kda_decode as dec
 
-    gen = torch.Generator("cuda").manual_seed(20 * n + t)
-    dev, bf = "cuda", torch.bfloat16
-    pr = _params(gen)
-    slots_total = n + 5
-    x, f, gate = (torch.empty(n * t, c, device=dev, dtype=bf) for c in (3 * P, P, P))
-    b = torch.empty(n * t, H, device=dev, dtype=bf)
-    conv = torch.randn(slots_total, 3 * P, W - 1, device=dev, generator=gen).to(bf)
-    rec = torch.randn(slots_total, H, K, K, device=dev, generator=gen) * 0.1
-    slots = torch.randperm(slots_total, device=dev, generator=gen)[:n]
-    fresh = torch.zeros(n, dtype=torch.bool, device=dev)
+    gen, pr, x, f, gate, b, conv, rec, slots, fresh = _graph_case(n, t, 20 * n + t)
     kw = {"pdl": False}  # the eager reference: the plain launches
 
     def decode(conv_: torch.Tensor, rec_: torch.Tensor, **opts) -> list[torch.Tensor]:
@@ -246,7 +244,7 @@ def test_pdl_under_graph_replay_equals_the_plain_eager_calls(n, t):
                                      fresh, K**-0.5, 1e-5, -5.0, t, **opts) for _ in range(2)]
 
     for y in (x, f, b, gate):
-        y.copy_(torch.randn(y.shape, device=dev, generator=gen))
+        y.copy_(torch.randn(y.shape, device="cuda", generator=gen))
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -259,8 +257,8 @@ def test_pdl_under_graph_replay_equals_the_plain_eager_calls(n, t):
     conv_ref, rec_ref = conv.clone(), rec.clone()
     for step in range(3):
         for y in (x, f, b, gate):
-            y.copy_(torch.randn(y.shape, device=dev, generator=gen))
-        fresh.copy_(torch.rand(n, device=dev, generator=gen) < (0.3 if step == 1 else 0.0))
+            y.copy_(torch.randn(y.shape, device="cuda", generator=gen))
+        fresh.copy_(torch.rand(n, device="cuda", generator=gen) < (0.3 if step == 1 else 0.0))
         wants = decode(conv_ref, rec_ref, **kw)
         graph.replay()
         torch.cuda.synchronize()
