@@ -36,6 +36,12 @@ def no_grad_fast_path(x: torch.Tensor, *params: torch.Tensor) -> bool:
     return fast_path(x) and not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *params)))
 
 
+def sm90(x: torch.Tensor) -> bool:
+    """x on a CUDA GPU of compute capability 9.0 or later (Hopper: programmatic dependent launch, bulk
+    prefetch, wgmma)."""
+    return x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0)
+
+
 def pow2_dims(*dims: int) -> bool:
     """Whether every dim is a power of two: the Triton kernels span a head or latent row with one
     tl.arange, which must be. Layers with other widths (small test checkpoints) take the torch path."""

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from hyserve.ops.arrival import arrival_counters
+from hyserve.ops.dispatch import sm90
 
 
 @triton.jit
@@ -270,7 +271,7 @@ def kda_decode_multi(
     bv = min(block_v or bv_default, kd)  # never more rows than V: rows past it are another head's
     num_warps = num_warps or warps_default
     if pdl is None:  # on by default where programmatic dependent launch exists (sm_90+)
-        pdl = x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
+        pdl = sm90(x)
     pdl = pdl and x.is_cuda  # griddepcontrol is inline PTX: compiled kernels only, never the interpreter
     qkvg = torch.empty(n * t, h, 4, kd, dtype=torch.float32, device=x.device)
     beta = torch.empty(n * t, h, dtype=torch.float32, device=x.device)

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hyserve.ops.dispatch import sm90
 from hyserve.ops.ptx import prefetch_l2
 
 
@@ -216,6 +217,6 @@ def _pdl_ok(x: torch.Tensor, w2: torch.Tensor, shared) -> bool:
     """Programmatic dependent launch (sm_90+) and down-weight rows the L2 prefetch can take (16-byte aligned
     starts and lengths)."""
     starts = [w2] + ([shared.down_proj.weight] if shared is not None else [])
-    return (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
+    return (sm90(x)
             and w2.shape[2] * w2.element_size() % 16 == 0 and w2.stride(1) * w2.element_size() % 16 == 0
             and w2.stride(0) * w2.element_size() % 16 == 0 and all(t.data_ptr() % 16 == 0 for t in starts))

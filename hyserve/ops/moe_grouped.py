@@ -11,6 +11,8 @@ from collections.abc import Callable
 
 import torch
 
+from hyserve.ops.dispatch import sm90
+
 
 def grouped_mm_available(x: torch.Tensor, w13: torch.Tensor) -> bool:
     """bf16 operands with 16-byte aligned rows on an sm90+ GPU (the op's kernels), and a torch that has
@@ -18,7 +20,7 @@ def grouped_mm_available(x: torch.Tensor, w13: torch.Tensor) -> bool:
     return (
         hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16 and w13.dtype == torch.bfloat16
         and x.shape[-1] % 8 == 0 and w13.shape[1] % 16 == 0
-        and x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0)
+        and sm90(x)
     )
 
 
