@@ -10,6 +10,7 @@ import torch
 
 from hyserve import SamplingParams
 from hyserve.config import EngineConfig
+from hyserve.engine import cuda_graphs
 from hyserve.engine.cuda_graphs import graph_batch_sizes
 from hyserve.engine.llm_engine import LLMEngine
 from hyserve.models.batch import Batch
@@ -246,3 +247,99 @@ def test_engine_outputs_equal_with_and_without_the_static_path(engine_factory, m
     cmp = CompareSteps(graphed)
     assert run(graphed) == run(eager)
     assert not cmp.failures and cmp.graph_sizes and graphed.stats.num_preemptions == eager.stats.num_preemptions > 0
+
+
+def _direct_rows(engine: LLMEngine, n: int, blocks_per_row: int) -> tuple[list[list[int]], list[int]]:
+    """n rows of real pages and state slots for calling DecodeGraphs.run directly (freed by _free_rows)."""
+    kv = engine.kv
+    tables = [kv.blocks.allocate(blocks_per_row) for _ in range(n)]
+    return tables, [kv.slots.allocate() for _ in range(n)]
+
+
+def _free_rows(engine: LLMEngine, tables: list[list[int]], slots: list[int]) -> None:
+    for t in tables:
+        engine.kv.blocks.free(t)
+    for s in slots:
+        engine.kv.slots.free(s)
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["one-copy", "wide-tables"])
+def test_a_narrower_block_table_leaves_no_stale_block_ids(engine_factory, monkeypatch, packed):
+    if not packed:  # every size takes the [size, width] copy and the -1 fill
+        monkeypatch.setattr(cuda_graphs, "PACKED_TABLE_LIMIT", 0)
+    engine = engine_factory(max_model_len=128)
+    graphs, kv = engine.runner.graphs, engine.kv
+    wide, slots = _direct_rows(engine, 3, 4)
+    # a wide step of size 4, then a narrow one of the same size, then one of size 2 (whose layout
+    # overlaps size 4's), each must read exactly its own tables
+    steps = [(wide, 4 * kv.block_size), ([t[:1] for t in wide], kv.block_size), ([t[:2] for t in wide[:2]], 20)]
+    try:
+        for tables, ctx in steps:
+            n = len(tables)
+            graphs.run(token_ids=[5] * n, context_lens=[ctx] * n, block_tables=tables, state_slots=slots[:n],
+                       fresh_state=[True] * n)
+            size = graphs.size_for(n, 0)
+            got = graphs._batch(size, [1] * size).block_tables  # what the graph of that size reads
+            want = torch.full((size, graphs.max_blocks), -1, dtype=torch.long)
+            for i, t in enumerate(tables):
+                want[i, : len(t)] = torch.tensor(t)
+            want[n:, 0] = kv.scratch_block
+            assert torch.equal(got, want), (n, ctx)
+    finally:
+        _free_rows(engine, wide, slots)
+
+
+def _two_runs(engine: LLMEngine, **pending) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits of one 3-row step with the real ids on the host, and of the same step from the same
+    cache with `pending` (prev_tokens, token_src) supplying them."""
+    graphs = engine.runner.graphs
+    tables, slots = _direct_rows(engine, 3, 1)
+    args = dict(context_lens=[3, 5, 7], block_tables=tables, state_slots=slots, fresh_state=[True] * 3)
+    try:
+        saved = _cache_copy(engine)
+        ref = graphs.run(token_ids=[11, 22, 33], **args).clone()
+        _restore(engine, saved)
+        got = graphs.run(token_ids=[0, 22, 0], **args, **pending).clone()
+    finally:
+        _free_rows(engine, tables, slots)
+    return got, ref
+
+
+def test_pending_rows_read_the_previous_steps_device_ids(engine_factory):
+    engine = engine_factory()
+    # rows 0 and 2 read their ids from the device tensor, row 1 keeps its host id
+    got, ref = _two_runs(engine, prev_tokens=torch.tensor([7, 33, 9, 11]), token_src=[3, -1, 1])
+    assert torch.equal(got, ref)
+
+
+def test_pending_ids_beyond_the_buffer_are_gathered_first(engine_factory):
+    engine = engine_factory()
+    graphs = engine.runner.graphs
+    prev = torch.arange(graphs._prev.numel() + 5) + 1000  # more sampled rows than the buffer holds
+    prev[-1], prev[2] = 11, 33
+    got, ref = _two_runs(engine, prev_tokens=prev, token_src=[prev.numel() - 1, -1, 2])
+    assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_async_engine_outputs_equal_with_and_without_the_static_path(make_engine, model):
+    """Mixed steps (prefill chunks beside decodes, a one-token prompt, seeded sampling, an abort) with
+    async scheduling: decode steps take their pending ids inside the static path."""
+
+    def run(engine: LLMEngine) -> dict[str, list[int]]:
+        for i in range(5):
+            engine.add_request(f"r{i}", {"prompt_token_ids": _prompt(i, 1 + 13 * i)},
+                               SamplingParams(max_tokens=4 + 3 * i, temperature=0.8 * (i % 2), seed=i, ignore_eos=True))
+        engine.add_request("gone", {"prompt_token_ids": _prompt(9, 6)}, SamplingParams(max_tokens=40, ignore_eos=True))
+        for _ in range(3):
+            engine.step()
+        engine.abort_request("gone")
+        return drain(engine)
+
+    kw = dict(async_scheduling=True, max_num_seqs=8, max_num_batched_tokens=32, enable_prefix_caching=False)
+    graphed = make_engine(model, cuda_graphs=True, **kw)
+    calls = []
+    graph_run = graphed.runner.graphs.run
+    graphed.runner.graphs.run = lambda **k: calls.append(k["token_src"]) or graph_run(**k)
+    assert run(graphed) == run(make_engine(model, cuda_graphs=False, **kw))
+    assert any(src is not None and max(src) >= 0 for src in calls)

@@ -105,8 +105,9 @@ class LLMEngine:
         graphs = None
         if cuda_graphs:
             # a decode step has at most one token per sequence, so the token budget caps it too
-            sizes = graph_batch_sizes(min(cfg.max_num_seqs, cfg.max_num_batched_tokens))
-            graphs = DecodeGraphs(self.model, self.kv, self.max_model_len, sizes)
+            max_batch = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
+            # a step samples at most max_batch tokens: the next step reads them from the graphs' buffer
+            graphs = DecodeGraphs(self.model, self.kv, self.max_model_len, graph_batch_sizes(max_batch), max_batch)
             graphs.capture()  # after the cache is allocated: graphs take what memory is left
         self.runner = ModelRunner(self.model, self.kv, graphs)
         self.sampler = Sampler()

@@ -60,29 +60,14 @@ class ModelRunner:
             device=self.device,
         )
         input_ids = to_device(ids, torch.long, self.device)
-        fill = self._pending_rows(seqs, pending)
-        if fill is not None:
-            rows, tokens = fill
-            ends = to_device([int(e) - 1 for e in itertools.accumulate(s.num_new_tokens for s in seqs)], torch.long,
-                             self.device)
-            input_ids.index_copy_(0, ends[rows], tokens)
+        src = _pending_sources(seqs, pending)
+        if src is not None:
+            rows = [i for i, j in enumerate(src) if j >= 0]
+            ends = list(itertools.accumulate(s.num_new_tokens for s in seqs))
+            at = to_device([ends[i] - 1 for i in rows], torch.long, self.device)
+            tokens = pending.token_ids[to_device([src[i] for i in rows], torch.long, self.device)]
+            input_ids.index_copy_(0, at, tokens)
         return input_ids, batch
-
-    def _pending_rows(
-        self, seqs: list[ScheduledSeq], pending: PendingTokens | None
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(sequence rows, their token ids) on the device for the sequences whose last new token is
-        still pending; None when there are none."""
-        rows, src = [], []
-        for i, s in enumerate(seqs):
-            if s.end > s.req.num_known_tokens:
-                if pending is None or s.req not in pending.rows or s.end != s.req.num_known_tokens + 1:
-                    raise RuntimeError(f"request {s.req.request_id}: a scheduled token's id is not known")
-                rows.append(i)
-                src.append(pending.rows[s.req])
-        if not rows:
-            return None
-        return to_device(rows, torch.long, self.device), pending.token_ids[to_device(src, torch.long, self.device)]
 
     def uses_graph(self, out: SchedulerOutput) -> bool:
         """One new token per sequence, no prompt logprobs, and a batch the ladder covers."""
@@ -112,18 +97,35 @@ class ModelRunner:
 
     def _execute_graph(self, out: SchedulerOutput, pending: PendingTokens | None) -> StepLogits:
         seqs = out.seqs
+        src = _pending_sources(seqs, pending)  # the graph gathers those ids from pending.token_ids itself
         logits = self.graphs.run(
             token_ids=[_token_at(s.req, s.start) for s in seqs],
             context_lens=[s.end for s in seqs],
             block_tables=[s.req.block_ids for s in seqs],
             state_slots=[s.req.state_slot for s in seqs],
             fresh_state=[s.req.fresh_state for s in seqs],
-            device_tokens=self._pending_rows(seqs, pending),
+            prev_tokens=pending.token_ids if src is not None else None,
+            token_src=src,
         )
         sample_rows = [i for i, s in enumerate(seqs) if s.samples]
         if len(sample_rows) < len(seqs):  # a one-token prefill chunk that does not reach the prompt's end
             logits = logits[to_device(sample_rows, torch.long, self.device)]
         return StepLogits(sample_rows, logits, {})
+
+
+def _pending_sources(seqs: list[ScheduledSeq], pending: PendingTokens | None) -> list[int] | None:
+    """For each sequence whose last new token is still pending, the index of its id in
+    `pending.token_ids`, else -1; None when no sequence has one. Host values only."""
+    src, any_pending = [], False
+    for s in seqs:
+        if s.end > s.req.num_known_tokens:
+            if pending is None or s.req not in pending.rows or s.end != s.req.num_known_tokens + 1:
+                raise RuntimeError(f"request {s.req.request_id}: a scheduled token's id is not known")
+            src.append(pending.rows[s.req])
+            any_pending = True
+        else:
+            src.append(-1)
+    return src if any_pending else None
 
 
 def _token_at(req: Request, i: int) -> int:

@@ -65,21 +65,25 @@ def test_graphed_decode_equals_eager_on_cuda(models, name):
     # float32 tiny models: every size takes the sync-free kernels (Triton decode, MoE gemv), so all
     # of them must have been captured
     assert sorted(graphs.graphs) == [1, 2, 4, 8]
-    replays = []
+    replays, pending = [], []
     run = graphs.run
-    graphs.run = lambda **kw: replays.append(len(kw["token_ids"])) or run(**kw)
+    graphs.run = lambda **kw: replays.append(len(kw["token_ids"])) or pending.append(kw["token_src"]) or run(**kw)
     eager = _engine(model, name, enforce_eager=True)
     for n in (1, 3, 5):  # 3 and 5 replay the graphs of 4 and 8 with padding rows
         got, ref = _greedy(graphed, n), _greedy(eager, n)
         assert got == ref, (n, got, ref)
         assert n in replays
+    # async scheduling (the CUDA default): the graphs gathered the previous step's ids on the device
+    assert graphed.cfg.async_scheduling and any(src is not None and max(src) >= 0 for src in pending)
 
 
 @pytest.mark.parametrize("name", ["kimi-linear-tiny", "k3-tiny"])
 def test_graph_logits_match_eager_logits(models, name):
     """The replayed logits of one padded decode step against the eager step from the same cache."""
     model = models(name)
-    engine = _engine(model, name)
+    # synchronous: with async scheduling (the CUDA default) the prefills' tokens would still be on the
+    # device when the decode step below is scheduled, and execute() without them cannot run it
+    engine = _engine(model, name, async_scheduling=False)
     for i in range(3):
         engine.add_request(f"r{i}", {"prompt_token_ids": [(7 * i + j) % 500 + 1 for j in range(10 + 5 * i)]},
                            SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
