@@ -176,3 +176,110 @@ def test_rejects_rows_not_a_multiple_of_tokens_per_seq(dec):
     c = make_case(1, 5, [False], seed=1)
     with pytest.raises(AssertionError):
         run_multi(dec, c, 3, None)
+
+
+
+def with_low_rank_gates(c: dict, r: int, dtype: torch.dtype, seed: int) -> tuple[dict, torch.Tensor]:
+    """c in the model dtype, its f and gate the bmm of low-rank inputs f_a | g_a (column slices of one wider
+    projection, as in the layer's merged projection) with a [2, R, P] weight, as the layer computes them
+    without the option; c["fa"] and c["ga"] hold the low-rank inputs. Returns (c, that weight)."""
+    gen = torch.Generator().manual_seed(seed)
+    y = torch.randn(c["x"].shape[0], 2 * r + 3, generator=gen).to(dtype)
+    fg_b = torch.randn(2, r, P, generator=gen) * r**-0.5
+    fg_b[0] *= 12  # softplus inputs on both sides of its threshold of 20
+    fg_b = fg_b.to(dtype)
+    c = dict(c, fa=y[:, 1 : r + 1], ga=y[:, r + 1 : 2 * r + 1])
+    for name in ("x", "b", "conv"):
+        c[name] = c[name].to(dtype)
+    c["f"], c["gate"] = torch.bmm(torch.stack([c["fa"], c["ga"]]), fg_b).unbind(0)
+    return c, fg_b
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "bounded"])
+@pytest.mark.parametrize(("t", "r"), [(1, 24), (3, 40)], ids=["t1-r24", "t3-r40"])
+def test_low_rank_gates_in_the_prep_kernel_equal_the_bmm(dec, t, r, lower_bound, dtype):
+    """fg_b: the prep kernel's own up-projection of f_a and g_a gives what the bmm's outputs passed as f and
+    gate give, in outputs, states and conv tails, and matches the sequential reference; the same up to the
+    fp32 summation order before the one rounding to the model dtype (a bf16 ulp flip of f or the gate at
+    most). R not a power of two: blocks of 16 rows, the last one partial."""
+    fresh = [True, False, True]
+    c, fg_b = with_low_rank_gates(make_case(3, t, fresh, seed=70 + t), r, dtype, seed=80 + r)
+    out_ref, st_ref, tails_ref = reference(c, t, lower_bound)
+    folded = {k: v.clone() for k, v in c.items()}
+    want = run_multi(dec, c, t, lower_bound)
+    got = dec.kda_decode_multi(folded["x"], folded["fa"], folded["b"], folded["ga"], folded["cw"],
+                               folded["conv"][:, 1], folded["rec"][:, 1], folded["alog"], folded["dtb"],
+                               folded["onw"], folded["slots"], folded["fresh"], K**-0.5, EPS, lower_bound, t,
+                               block_v=8, fg_b=fg_b)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert got.dtype == dtype and got.shape == want.shape
+    assert rel_err(got, want) < tol
+    assert rel_err(got, out_ref) < tol
+    assert rel_err(folded["rec"], c["rec"]) < tol  # every slot, both layers (the others untouched)
+    assert rel_err(folded["rec"][c["slots"], 1], st_ref) < tol
+    assert torch.equal(folded["conv"], c["conv"])  # copies of the inputs: exact
+    assert torch.equal(folded["conv"][c["slots"], 1], tails_ref.to(dtype))
+
+
+def test_low_rank_gates_rejects_a_weight_of_another_shape(dec):
+    c, fg_b = with_low_rank_gates(make_case(1, 1, [False], seed=3), 24, torch.float32, seed=4)
+    with pytest.raises(AssertionError):
+        dec.kda_decode_multi(c["x"], c["fa"], c["b"], c["ga"], c["cw"], c["conv"][:, 1], c["rec"][:, 1], c["alog"],
+                             c["dtb"], c["onw"], c["slots"], c["fresh"], K**-0.5, EPS, None, 1, fg_b=fg_b[:, :16])
+
+
+@pytest.mark.parametrize("fold_max", [8, 0], ids=["folded", "bmm"])
+@pytest.mark.parametrize("preset", ["kimi-linear-tiny", "k3-tiny"])
+def test_fast_layer_decode_folds_the_low_rank_gates_and_matches_the_reference(preset, fold_max, monkeypatch):
+    """kda_forward_fast on a decode-only step (run here through the interpreter, called directly: on CPU
+    tensors the layer itself takes the torch reference) against the layer's reference forward, in outputs,
+    states and conv tails. Up to FOLD_FG_MAX_TOKENS tokens the decode kernel gets the layer's merged f_b|g_b
+    weight (fg_b) in place of the bmm's outputs; K3's full-rank g_proj has no low-rank pair and never does."""
+    from hyserve.models import parse_config
+    from hyserve.models.batch import Batch, CacheTensors
+    from hyserve.models.layers import kda_fast
+    from hyserve.models.layers.kda import KimiDeltaAttention
+    from hyserve.models.presets import preset_config
+
+    cfg = parse_config(preset_config(preset))
+    layer = KimiDeltaAttention(cfg, 1)
+    gen = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for name, prm in layer.named_parameters():
+            if name == "A_log":
+                prm.copy_(torch.empty(prm.shape).uniform_(1, 16, generator=gen).log())
+            elif "norm" in name:
+                prm.copy_(1 + 0.2 * torch.randn(prm.shape, generator=gen))
+            else:
+                prm.copy_(torch.randn(prm.shape, generator=gen) * 0.2)
+    layer.eval().requires_grad_(False)
+    h, k, p, w = layer.num_heads, layer.head_dim, layer.num_heads * layer.head_dim, cfg.conv_kernel_size
+    cache = CacheTensors(pages=torch.zeros(1, 0, 1, 1), conv=torch.randn(6, 2, 3 * p, w - 1, generator=gen),
+                         recurrent=torch.randn(6, 2, h, k, k, generator=gen) * 0.3)
+    batch = Batch.build([1, 1, 1], [5, 1, 9], [[0], [1], [2]], 16, [4, 0, 2], [False, True, False])
+    cache.conv[0, 1] = float("nan")  # the fresh sequence's slot: never read
+    cache.recurrent[0, 1] = float("nan")
+    x = torch.randn(3, cfg.hidden_size, generator=gen)
+    ref_cache = CacheTensors(cache.pages, cache.conv.clone(), cache.recurrent.clone())
+
+    seen = []
+
+    def spy(*args, **kw):
+        seen.append(kw.get("fg_b"))
+        return dec_mod.kda_decode(*args, **kw)
+
+    dec_mod = importlib.import_module("hyserve.ops.kda_decode")
+    monkeypatch.setattr(kda_fast, "kda_decode", spy)
+    monkeypatch.setattr(kda_fast, "FOLD_FG_MAX_TOKENS", fold_max)
+    with torch.no_grad():
+        want = layer(x, batch, ref_cache)  # CPU tensors: the reference forward
+        got = kda_fast.kda_forward_fast(layer, x, batch, cache)
+    folds = fold_max >= 3 and not hasattr(layer, "g_proj")
+    assert len(seen) == 1 and (seen[0] is not None) == folds
+    if folds:
+        assert seen[0] is kda_fast.merged_fg_b(layer)
+    assert rel_err(got, want) < 1e-5
+    # every slot of both layers (the fresh slot's NaN overwritten, the others untouched)
+    assert rel_err(cache.recurrent, ref_cache.recurrent) < 1e-5
+    assert rel_err(cache.conv, ref_cache.conv) < 1e-6  # the merged GEMM may round q|k|v apart from three GEMMs
