@@ -41,8 +41,7 @@ def kda_rows(ceil, gen) -> list[str]:
     two launches) swept over its block configs, and next to it the former three launches (a separate
     finish kernel) at the same best config and at the default one; in the note, PDL. Per call in a graph
     of 8 calls, as the engine's step graph runs 20 KDA layers (batch 1's 2 MB of state stays in L2 across
-    the calls). Batches 1 and 64 also time the fg_b option (the low-rank gate up-projections in the prep
-    kernel) against the layer's bmm followed by the plain call."""
+    the calls)."""
     h, k, w = 32, 128, 4
     p = h * k
     rows = []
@@ -63,8 +62,6 @@ def kda_rows(ceil, gen) -> list[str]:
         pdl_best = time_graph_per_call_ms(lambda: kda_decode(*args, num_warps=nw, block_v=bv, pdl=True))
         options = (f"PDL {pdl * 1e3:.1f} µs at the default config ({pdl / default:.2f}x it), {pdl_best * 1e3:.1f} µs "
                    f"at the best ({pdl_best / ms:.2f}x)")
-        if n in (1, 64):
-            options += "; " + _kda_fold_fg_note(args, n, h, k, gen)
         byts = n * h * k * k * 4 * 2 + n * (3 * p * 2 * 2 + 3 * p * 3 * 2 * 2 + 3 * p * 2)
         floor = byts / (ceil["copy_tbs"] * 1e12) * 1e3
         for name, t, note in (
@@ -76,29 +73,6 @@ def kda_rows(ceil, gen) -> list[str]:
             rows.append(f"| KDA decode, batch {n}, {name} | {t * 1e3:.1f} µs | {byts / 1e6:.1f} MB | "
                         f"{byts / t / 1e9:.2f} TB/s | {floor * 1e3:.1f} µs | {floor / t:.0%} | {note} |")
     return rows
-
-
-def _kda_fold_fg_note(args: tuple, n: int, h: int, k: int, gen) -> str:
-    """The low-rank gates' up-projections in the decode prep kernel (`fg_b`, the layer's decode path up to
-    FOLD_FG_MAX_TOKENS tokens) against the layer's bmm (f_a | g_a of one projection output times the
-    merged [2, R, P] weight, R = K) followed by the plain call, both at the engine's defaults (PDL on an
-    H200), per call in a graph of 8."""
-    x, _, b, _, *rest = args
-    p, r = h * k, k
-    y = torch.randn(n, 2 * r, device="cuda", generator=gen).to(torch.bfloat16)
-    fa, ga = y[:, :r], y[:, r:]
-    fg_a = y.as_strided((2, n, r), (r, y.stride(0), 1))
-    fg_b = (torch.randn(2, r, p, device="cuda", generator=gen) * r**-0.5).to(torch.bfloat16)
-
-    def unfolded():
-        f, gate = torch.bmm(fg_a, fg_b).unbind(0)
-        return kda_decode(x, f, b, gate, *rest)
-
-    bmm = time_graph_per_call_ms(lambda: torch.bmm(fg_a, fg_b))
-    base = time_graph_per_call_ms(unfolded)
-    fold = time_graph_per_call_ms(lambda: kda_decode(x, fa, b, ga, *rest, fg_b=fg_b))
-    return (f"f_b/g_b folded into the prep kernel (fg_b) {fold * 1e3:.1f} µs vs bmm + decode {base * 1e3:.1f} µs "
-            f"({fold / base:.2f}x; the bmm alone {bmm * 1e3:.1f} µs)")
 
 
 def _kda_inputs(n: int, t: int, h: int, k: int, w: int, gen) -> tuple:

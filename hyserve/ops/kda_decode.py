@@ -5,8 +5,7 @@ T-1 speculative draft tokens + 1), token rows sequence-major: sequence n owns ro
 1. The prep kernel, one program per (sequence, head), does everything that is per head rather than per
    state row: the short conv of q/k/v over the slot's tail, the decay gate, β and the q/k L2 norms, for
    each token in order, into a small fp32 scratch; then it shifts the head's conv tails (it is their only
-   reader). Optionally (`fg_b`, small batches) it also applies the low-rank up-projections of the decay
-   and output gates for its head, in place of the layer's separate bmm.
+   reader).
 2. The state kernel, one program per (sequence, head, block of V rows), streams the fp32 [V, K] state: for
    each token the delta-rule update and the output of its rows, the state held in registers across the T
    steps and written back to the slot once. It has nothing else to do, so many small programs (fla's
@@ -90,45 +89,17 @@ def _shift_tails(x_ptr, s_xn, row0, tail_ptr, s_cc, s_cw, c, live, fresh, T: tl.
 
 
 @triton.jit
-def _low_rank_up(fa_ptr, s_fan, ga_ptr, s_gan, fgb_ptr, s_bm, s_br, r, h, R: tl.constexpr, BR: tl.constexpr,
-                 K: tl.constexpr):
-    """Head h's columns of row r's two low-rank up-projections: f_a[r] · F_b[:, hK:(h+1)K] and
-    g_a[r] · G_b[:, hK:(h+1)K] (F_b = fgb[0], G_b = fgb[1], [R, P] each), fp32 accumulate over R in blocks
-    of BR rows (unrolled, so every block's loads can be in flight at once; one cross-thread reduction at the
-    end), returned unrounded [K] each."""
-    kk = tl.arange(0, K)
-    rr = tl.arange(0, BR)
-    acc_f = tl.zeros([BR, K], dtype=tl.float32)
-    acc_g = tl.zeros([BR, K], dtype=tl.float32)
-    for r0 in tl.static_range(0, R, BR):
-        j = r0 + rr
-        live = j < R
-        fa = tl.load(fa_ptr + r * s_fan + j, mask=live, other=0.0).to(tl.float32)
-        ga = tl.load(ga_ptr + r * s_gan + j, mask=live, other=0.0).to(tl.float32)
-        w = fgb_ptr + j[:, None] * s_br + h * K + kk[None, :]
-        acc_f += fa[:, None] * tl.load(w, mask=live[:, None], other=0.0).to(tl.float32)
-        acc_g += ga[:, None] * tl.load(w + s_bm, mask=live[:, None], other=0.0).to(tl.float32)
-    return tl.sum(acc_f, axis=0), tl.sum(acc_g, axis=0)
-
-
-@triton.jit
 def _kda_prep_kernel(
     x_ptr, s_xn, f_ptr, s_fn, b_ptr, s_bn,
     conv_w_ptr, conv_ptr, s_cs, s_cc, s_cw,
     a_log_ptr, dt_bias_ptr, slots_ptr, fresh_ptr, qkvg_ptr, beta_ptr,
     P, H, scale, lower_bound,
-    ga_ptr, s_gan, fgb_ptr, s_bm, s_br, gate_ptr,
     T: tl.constexpr, K: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BOUNDED: tl.constexpr,
-    PDL: tl.constexpr, FG: tl.constexpr, R: tl.constexpr, BR: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (n, h): for each token t, writes q̂ (normed, scaled), k̂ (normed), v and exp(gate) of head h
     as rows 0..3 of qkvg[n*T+t, h] (fp32), and σ(b) to beta; then the conv-tail shift of the head's q/k/v
-    channels. PDL: lets the state kernel launch now (it waits for this grid before reading qkvg/beta).
-    FG: f_ptr holds the low-rank inputs f_a [rows, R] (ga_ptr: g_a), and the program computes head h's
-    f and output-gate logits with the [2, R, P] weight at fgb_ptr, each rounded to the model dtype (as a
-    bmm in that dtype would leave them); the gate logits go to gate_ptr [rows, P] (model dtype) for the
-    state kernel's output norm. Otherwise (FG off) f_ptr holds f [rows, P] and ga_ptr..gate_ptr are
-    unused."""
+    channels. PDL: lets the state kernel launch now (it waits for this grid before reading qkvg/beta)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     n = tl.program_id(0)
@@ -147,19 +118,9 @@ def _kda_prep_kernel(
         qn = tl.rsqrt(tl.sum(tl.where(part == 0, y * y, 0.0), axis=0) + 1e-6) * scale
         kn = tl.rsqrt(tl.sum(tl.where(part == 1, y * y, 0.0), axis=0) + 1e-6)
         y = y * tl.where(part == 0, qn, tl.where(part == 1, kn, 1.0))
-        if FG:
-            # f and the gate in the head's [K] layout: the decay is stored on its own, the 3K conv lanes
-            # without it
-            tl.store(qkvg_ptr + ((row0 + t) * H + h) * 4 * K + i, y, mask=part < 3)
-            f, g = _low_rank_up(f_ptr, s_fn, ga_ptr, s_gan, fgb_ptr, s_bm, s_br, row0 + t, h, R, BR, K)
-            kk = tl.arange(0, K)
-            f = f.to(f_ptr.dtype.element_ty).to(tl.float32) + tl.load(dt_bias_ptr + h * K + kk)
-            tl.store(qkvg_ptr + ((row0 + t) * H + h) * 4 * K + 3 * K + kk, _decay_of(f, a, lower_bound, BOUNDED))
-            tl.store(gate_ptr + (row0 + t) * P + h * K + kk, g.to(gate_ptr.dtype.element_ty))
-        else:
-            f = tl.load(f_ptr + (row0 + t) * s_fn + h * K + gl).to(tl.float32) + dtb
-            y = tl.where(part == 3, _decay_of(f, a, lower_bound, BOUNDED), y)
-            tl.store(qkvg_ptr + ((row0 + t) * H + h) * 4 * K + i, y)
+        f = tl.load(f_ptr + (row0 + t) * s_fn + h * K + gl).to(tl.float32) + dtb
+        y = tl.where(part == 3, _decay_of(f, a, lower_bound, BOUNDED), y)
+        tl.store(qkvg_ptr + ((row0 + t) * H + h) * 4 * K + i, y)
         tl.store(beta_ptr + (row0 + t) * H + h, tl.sigmoid(tl.load(b_ptr + (row0 + t) * s_bn + h).to(tl.float32)))
     _shift_tails(x_ptr, s_xn, row0, tail_ptr, s_cc, s_cw, c, part < 3, fresh, T, W, WP)
 
@@ -272,7 +233,7 @@ def kda_decode_multi(
     conv_pool: torch.Tensor, rec_pool: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
     o_norm_weight: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor, scale: float, eps: float,
     lower_bound: float | None, tokens_per_seq: int, num_warps: int | None = None, block_v: int | None = None,
-    fused_finish: bool = True, pdl: bool | None = None, fg_b: torch.Tensor | None = None,
+    fused_finish: bool = True, pdl: bool | None = None,
 ) -> torch.Tensor:
     """T = tokens_per_seq new tokens for each of N sequences (rows sequence-major, N*T in all): T recurrent
     steps per sequence, as T calls of `kda_decode` would make them. Updates the slots in place (state and
@@ -281,15 +242,6 @@ def kda_decode_multi(
     x [N*T, 3P] pre-conv q|k|v; f [N*T, P] raw gate input; b [N*T, H] β logits; gate [N*T, P] output-gate
     logits (each may be a column slice of a wider projection: only the last dim must be unit-stride);
     slots, fresh [N]; conv_pool [slots, 3P, W-1] and rec_pool [slots, H, V, K] are this layer's views.
-    fg_b [2, R, P] (last dim unit-stride; the layer's `merged_fg_b`): f and gate are instead the low-rank
-    inputs f_a and g_a [N*T, R], and the prep kernel applies the up-projections itself, f = f_a · fg_b[0]
-    and gate = g_a · fg_b[1] (each program its head's K columns, fp32 accumulate, rounded once to the
-    model dtype = f_a's dtype; the gate goes through an [N*T, P] buffer to the output norm). That replaces
-    the separate bmm launch (at batch 1 on an H200, ~3.2 µs for 2 MB of weights in a ~93 µs layer); the
-    weights are read once per sequence, so it pays only at small N*T. Same results as that bmm in the
-    model dtype followed by the plain call up to the order of the fp32 sum before the one rounding
-    (cuBLAS sums in its own order): equal within tolerance, not bit for bit (a bf16 ulp flip of f or
-    the gate where the two sums straddle a rounding boundary).
     fused_finish=False runs the output norm as a third launch (the former path, kept to compare against).
     pdl (default: on a CUDA GPU of compute capability 9+; ignored elsewhere): the state kernel is launched
     as a programmatic dependent of the prep kernel and loads its state rows while the prep kernel still
@@ -308,17 +260,6 @@ def kda_decode_multi(
     for y in (x, f, b, gate):
         assert y.stride(-1) == 1 and y.shape[0] == n * t
     assert conv_weight.is_contiguous() and rec_pool.shape[-2] == kd and slots.shape[0] == fresh.shape[0] == n
-    if fg_b is not None:  # f and gate are f_a and g_a; the gate logits are computed into a buffer
-        r = fg_b.shape[1]
-        assert fg_b.shape == (2, r, p) and fg_b.stride(-1) == 1 and f.shape[1] == gate.shape[1] == r
-        assert fg_b.dtype == f.dtype == gate.dtype
-        ga, gate = gate, torch.empty(n * t, p, dtype=f.dtype, device=x.device)
-        fg = (ga, ga.stride(0), fg_b, fg_b.stride(0), fg_b.stride(1), gate)
-    else:
-        r = 1
-        fg = (gate, 0, gate, 0, 0, gate)  # unused
-    # fg_b: 8 warps and blocks of 16 rows compiled for sm_90a (R = K = 128) to 80 registers at T = 1, 128 at
-    # T = 3, no spills, every weight load a 16-byte vector (4 warps: 128 and 221); the time is unmeasured
     out = torch.empty(n * t, p, dtype=x.dtype, device=x.device)
     if n == 0:
         return out
@@ -340,9 +281,8 @@ def kda_decode_multi(
     arrivals = arrival_counters(x.device, n * h) if fused_finish else o_raw  # unused without fused_finish
     _kda_prep_kernel[(n, h)](
         x, x.stride(0), f, f.stride(0), b, b.stride(0), conv_weight, conv_pool, *conv_pool.stride(),
-        a_log, dt_bias, slots, fresh, qkvg, beta, p, h, scale, lb, *fg,
-        T=t, K=kd, W=w, WP=wp, BOUNDED=bounded, PDL=pdl, FG=fg_b is not None, R=r,
-        BR=min(16, triton.next_power_of_2(r)), num_warps=4 if fg_b is None else 8,
+        a_log, dt_bias, slots, fresh, qkvg, beta, p, h, scale, lb,
+        T=t, K=kd, W=w, WP=wp, BOUNDED=bounded, PDL=pdl, num_warps=4,
     )
     extra = {"launch_pdl": True} if pdl else {}
     _kda_state_kernel[(n, h, triton.cdiv(kd, bv))](
@@ -361,15 +301,14 @@ def kda_decode(
     conv_pool: torch.Tensor, rec_pool: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
     o_norm_weight: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor, scale: float, eps: float,
     lower_bound: float | None, num_warps: int | None = None, block_v: int | None = None, fused_finish: bool = True,
-    pdl: bool | None = None, fg_b: torch.Tensor | None = None,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """One token for each of N sequences; updates the slots in place, returns the normed output [N, P].
 
     x [N, 3P] pre-conv q|k|v; f [N, P] raw gate input; b [N, H] β logits; gate [N, P] output-gate
     logits (each may be a column slice of a wider projection: only the last dim must be unit-stride);
     conv_pool [slots, 3P, W-1] and rec_pool [slots, H, V, K] are this layer's views of the pools.
-    pdl, fg_b (f and gate then f_a and g_a [N, R], the up-projections done in the prep kernel): see
-    `kda_decode_multi`.
+    pdl: see `kda_decode_multi`.
     """
     return kda_decode_multi(x, f, b, gate, conv_weight, conv_pool, rec_pool, a_log, dt_bias, o_norm_weight, slots,
-                            fresh, scale, eps, lower_bound, 1, num_warps, block_v, fused_finish, pdl, fg_b)
+                            fresh, scale, eps, lower_bound, 1, num_warps, block_v, fused_finish, pdl)

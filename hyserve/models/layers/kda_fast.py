@@ -32,13 +32,6 @@ def merged_fg_b(layer) -> torch.Tensor:
     return merged(layer, "_merged_fg_b", parts, lambda ws: torch.stack([w.t() for w in ws]))
 
 
-# Decode steps of at most this many tokens skip the bmm of the low-rank gates: the decode prep kernel applies
-# f_b and g_b itself (kda_decode's fg_b), one launch fewer per layer (the bmm alone is ~3.2 µs at batch 1 on
-# an H200). Each (sequence, head) program reads its head's 2·R·K weights, so the weight traffic grows with
-# the batch while the bmm's stays one read: a guess, to be measured (benchmarks/gpu_kernels.py, kda rows).
-FOLD_FG_MAX_TOKENS = 8
-
-
 def _token_index(cu: list[int], seqs: list[int], device: torch.device) -> torch.Tensor:
     return torch.cat([torch.arange(cu[i], cu[i + 1]) for i in seqs]).to(device, non_blocking=True)
 
@@ -49,12 +42,8 @@ def kda_forward_fast(layer, x: torch.Tensor, batch: Batch, cache: CacheTensors) 
     w_in, split = merged_in_proj(layer)
     y = F.linear(x, w_in)
     qkv, fa, ga, b = y.split([3 * p, split[3], split[4], split[5]], -1)
-    # K3's full-rank g_proj: no low-rank pair to fold, the bmm path only
-    fold = batch.decode_only and t <= FOLD_FG_MAX_TOKENS and not hasattr(layer, "g_proj")
     if hasattr(layer, "g_proj"):
         f, gate = layer.f_b_proj(fa), ga
-    elif fold:  # the decode kernel applies f_b and g_b to f_a and g_a
-        f, gate = fa, ga
     else:  # f_a | g_a side by side in y's rows are the two batches of one bmm operand: no stack copy
         fg_a = y.as_strided((2, t, split[3]), (split[3], y.stride(0), 1), y.storage_offset() + 3 * p)
         f, gate = torch.bmm(fg_a, merged_fg_b(layer)).unbind(0)
@@ -64,7 +53,7 @@ def kda_forward_fast(layer, x: torch.Tensor, batch: Batch, cache: CacheTensors) 
     qlens = batch.query_lens
     if batch.decode_only:
         out = kda_decode(qkv, f, b, gate, *args, batch.state_slots, batch.fresh_state, scale, layer.eps,
-                         layer.lower_bound, fg_b=merged_fg_b(layer) if fold else None)
+                         layer.lower_bound)
         return linear(out, layer.o_proj.weight)
 
     out = torch.empty(t, p, dtype=x.dtype, device=x.device)
