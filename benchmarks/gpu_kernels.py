@@ -8,7 +8,7 @@ expert weights vs bandwidth, FLOPs vs matmul rate).
 
 KDA decode, MLA decode and MoE are timed as CUDA-graph replays, as decode steps run them (a timed eager
 call also counts the host's launch path, which is most of it at batch 1). MLA decode is timed with L2
-flushed before each replay and sweeps the kernel's knobs (MLA_SWEEP; HYSERVE_BENCH_QUICK=1 runs six
+flushed before each replay and sweeps the kernel's knobs (MLA_SWEEP; HYSERVE_BENCH_QUICK=1 runs eight
 configs on three shapes); it prints the best config per shape."""
 
 from __future__ import annotations
@@ -126,31 +126,43 @@ def kda_multi_rows(ceil, gen) -> list[str]:
 
 
 # The MLA decode sweep: (label, mla_decode_latent knobs, split programs planned per SM, splits multiplier).
-# The first entry is the default config. "rows" = rows as the products' M side (wgmma at block_n 64, 4
-# warps), "heads" = the earlier heads-as-M form (mma.sync); pf = tiles prefetched into L2 ahead; pdl =
-# the combine kernel launched early. block_n 32 "rows" programs take ~110 KB of shared memory (at 3
+# The first entry is the default config (mla_decode_latent's defaults). "rows" = rows as the products' M
+# side (wgmma at block_n 64, 4 warps), "heads" = the earlier heads-as-M form (mma.sync); pf = tiles
+# prefetched into L2 ahead; pdl = the combine kernel launched early. block_n 32 "rows" programs take ~110 KB of shared memory (at 3
 # stages), so two fit per SM: their plan asks for twice the programs.
 MLA_SWEEP = [
+    ("heads bn64 w8 s3 pf2", dict(layout="heads", block_n=64, num_warps=8, num_stages=3, prefetch=2), 1, 1),
     ("rows bn64 w4 s2 pf2", dict(layout="rows", block_n=64, num_warps=4, num_stages=2, prefetch=2), 1, 1),
     ("rows bn64 w4 s2 pf0", dict(layout="rows", block_n=64, num_warps=4, num_stages=2, prefetch=0), 1, 1),
-    ("rows bn64 w4 s2 pf1", dict(layout="rows", block_n=64, num_warps=4, num_stages=2, prefetch=1), 1, 1),
-    ("rows bn64 w4 s2 pf4", dict(layout="rows", block_n=64, num_warps=4, num_stages=2, prefetch=4), 1, 1),
     ("rows bn64 w4 s2 pf2 pdl", dict(layout="rows", block_n=64, num_warps=4, num_stages=2, prefetch=2, pdl=True), 1, 1),
     ("rows bn64 w4 s2 pf2 splits/2", dict(layout="rows", block_n=64, num_warps=4, num_stages=2, prefetch=2), 1, 0.5),
-    ("rows bn64 w4 s2 pf2 splits*2", dict(layout="rows", block_n=64, num_warps=4, num_stages=2, prefetch=2), 1, 2),
     ("rows bn64 w8 s2 pf2", dict(layout="rows", block_n=64, num_warps=8, num_stages=2, prefetch=2), 1, 1),
     ("rows bn32 w4 s3 pf2 2/SM", dict(layout="rows", block_n=32, num_warps=4, num_stages=3, prefetch=2), 2, 1),
-    ("rows bn32 w4 s3 pf0 2/SM", dict(layout="rows", block_n=32, num_warps=4, num_stages=3, prefetch=0), 2, 1),
     ("rows bn32 w4 s4 pf2", dict(layout="rows", block_n=32, num_warps=4, num_stages=4, prefetch=2), 1, 1),
     ("rows bn32 w8 s3 pf2", dict(layout="rows", block_n=32, num_warps=8, num_stages=3, prefetch=2), 1, 1),
     ("heads bn64 w8 s2 pf0", dict(layout="heads", block_n=64, num_warps=8, num_stages=2, prefetch=0), 1, 1),
-    ("heads bn64 w8 s3 pf2", dict(layout="heads", block_n=64, num_warps=8, num_stages=3, prefetch=2), 1, 1),
     ("heads bn32 w8 s3 pf2", dict(layout="heads", block_n=32, num_warps=8, num_stages=3, prefetch=2), 1, 1),
     ("heads bn64 w4 s2 pf2", dict(layout="heads", block_n=64, num_warps=4, num_stages=2, prefetch=2), 1, 1),
+    # Candidates compiled for sm_90a on the CPU (shared-memory reads of the products per 64 cache rows):
+    # heads w4: 4 warps re-read q instead of 8 (296 KB vs 456 KB), 255 regs, no spill, the next tile's
+    # copy overlaps the products as at w8; heads64: 64 padded heads, both products wgmma, but Triton puts
+    # all 8 warps on M for a chained dot, so both warpgroups compute the whole score and read q once per
+    # N block (~500 KB); bf16p: bf16 split partials (batch 1: 8.4 MB -> 4.2 MB written and read back)
+    ("heads bn64 w4 s3 pf2", dict(layout="heads", block_n=64, num_warps=4, num_stages=3, prefetch=2), 1, 1),
+    ("heads bn64 w4 s3 pf4", dict(layout="heads", block_n=64, num_warps=4, num_stages=3, prefetch=4), 1, 1),
+    ("heads bn64 w8 s3 pf2 bf16p", dict(layout="heads", block_n=64, num_warps=8, num_stages=3, prefetch=2,
+                                        partial_dtype=torch.bfloat16), 1, 1),
+    ("heads bn64 w4 s3 pf2 bf16p", dict(layout="heads", block_n=64, num_warps=4, num_stages=3, prefetch=2,
+                                        partial_dtype=torch.bfloat16), 1, 1),
+    ("heads64 bn32 w8 s4 pf2", dict(layout="heads64", block_n=32, num_warps=8, num_stages=4, prefetch=2), 1, 1),
+    ("heads64 bn32 w8 s3 pf4", dict(layout="heads64", block_n=32, num_warps=8, num_stages=3, prefetch=4), 1, 1),
+    ("heads64 bn64 w8 s2 pf2", dict(layout="heads64", block_n=64, num_warps=8, num_stages=2, prefetch=2), 1, 1),
+    ("heads64 bn32 w8 s4 pf2 bf16p", dict(layout="heads64", block_n=32, num_warps=8, num_stages=4, prefetch=2,
+                                          partial_dtype=torch.bfloat16), 1, 1),
 ]
 MLA_SWEEP_QUICK = [c for c in MLA_SWEEP if c[0] in (
-    "rows bn64 w4 s2 pf2", "rows bn64 w4 s2 pf0", "rows bn64 w4 s2 pf4", "rows bn64 w4 s2 pf2 pdl",
-    "rows bn32 w4 s3 pf2 2/SM", "heads bn64 w8 s3 pf2")]
+    "heads bn64 w8 s3 pf2", "rows bn64 w4 s2 pf2", "heads bn64 w4 s3 pf2", "heads bn64 w8 s3 pf2 bf16p",
+    "heads bn64 w4 s3 pf2 bf16p", "heads64 bn32 w8 s4 pf2", "heads64 bn64 w8 s2 pf2", "heads64 bn32 w8 s4 pf2 bf16p")]
 
 
 def time_graph_cold_ms(fn, flush: torch.Tensor, iters: int = 10) -> float:

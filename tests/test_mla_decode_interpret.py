@@ -3,7 +3,8 @@ combine) run by Triton's CPU interpreter in fp32 against the torch reference (op
 spec/models.md §2.5). TRITON_INTERPRET=1 must be set before triton is imported (tests/conftest.py does
 it without CUDA); tests/gpu/test_mla_moe_gpu.py checks the compiled kernels in bf16.
 
-Every kernel path is covered: both layouts ("rows": rows as the M side of the products, "heads"), tiles
+Every kernel path is covered: the layouts ("rows": rows as the M side of the products, "heads", and
+"heads64": heads padded to a block of 64, the padding masked), fp32 and bf16 split partials, tiles
 that are whole pages, parts of a page or span several pages (per-row lookups), the rope product as a dot
 or, under 16 dims, as a sum; contexts that end inside a tile, shorter than a tile, of one row; batches
 of different lengths; plans made for a longer context than any (as a CUDA graph plans for
@@ -83,7 +84,7 @@ def test_decode_matches_the_reference(mla, max_context, num_splits):
 TILINGS = [(16, 16), (32, 16), (64, 16), (8, 16), (8, 32)]
 
 
-@pytest.mark.parametrize("layout", ["rows", "heads"])
+@pytest.mark.parametrize("layout", ["rows", "heads", "heads64"])
 @pytest.mark.parametrize("bs,block_n", TILINGS, ids=[f"bs{b}-bn{n}" for b, n in TILINGS])
 @pytest.mark.parametrize("ctx,max_context,num_splits", [
     ([37, 5, 120, 64], None, None),  # ends inside a tile, shorter than a tile, whole tiles; planned
@@ -100,7 +101,7 @@ def test_kernel_paths(mla, layout, bs, block_n, ctx, max_context, num_splits):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("layout", ["rows", "heads"])
+@pytest.mark.parametrize("layout", ["rows", "heads", "heads64"])
 def test_rope_under_sixteen_dims_and_odd_head_count(mla, layout):
     """d_r = 8 takes the sum instead of tl.dot; 5 heads leave part of the 16-head block masked."""
     pages, bt, qn, qr, kvb, ctx_t = case([45, 9], seed=3, bs=16, dr=8, h=5)
@@ -119,6 +120,23 @@ def test_gpu_only_knobs_are_ignored_on_the_cpu(mla):
     got = mla.mla_decode_latent(q_full, pages[:, 1], bt, ctx_t, 500, 0.3, R, block_n=32, num_warps=8,
                                 num_stages=3, prefetch=4, pdl=True)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["heads", "heads64", "rows"])
+@pytest.mark.parametrize("num_splits", [1, 3, 9])
+def test_bf16_partials(mla, layout, num_splits):
+    """partial_dtype=bf16 rounds each split's normalised partial once (products, softmax and the combine's
+    sums stay fp32): the result is within bf16 rounding of the reference, fp32 either way, and one split
+    (no combine) returns it converted."""
+    ctx = [77, 3, 150]
+    pages, bt, qn, qr, kvb, ctx_t = case(ctx, seed=13, bs=16)
+    q_full, _ = q_full_of(qn, qr, kvb)
+    ref = reference_latent(q_full, pages, 1, bt, ctx_t, 0.3)
+    got = mla.mla_decode_latent(q_full, pages[:, 1], bt, ctx_t, 600, 0.3, R, num_splits=num_splits, block_n=16,
+                                layout=layout, partial_dtype=torch.bfloat16)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)
+    assert float((got - ref).norm() / ref.norm()) < 5e-3
 
 
 def test_long_context_is_split_within_the_tile_cap(mla):

@@ -26,6 +26,11 @@ products need ~250 TFLOP/s: tensor cores, with little shared-memory traffic per 
   `prefetch` > 0 has one thread ask the copy engine to pull the tile `prefetch` tiles ahead into L2
   (cp.async.bulk.prefetch), so HBM keeps streaming and the copies hit L2. BN = 32 with num_stages 3-4
   overlaps inside the program instead, with mma.sync for the scores.
+- The heads layout is bound by shared-memory reads, not HBM (compiled for sm_90a): at 64-row tiles and
+  8 warps each warp re-reads all of q per tile (mma.sync, warps [1, 8]): ~456 KB of ldmatrix reads per
+  73.7 KB tile. 4 warps read ~296 KB. "heads64" (heads padded to 64: wgmma) does not help as Triton
+  compiles it: for a chained dot it puts all warps on M, so both warpgroups compute the whole score and
+  read q once per N block (~500 KB). bf16 partials (`partial_dtype`) halve the split partials' bytes.
 - Splits: about one program per SM (a 64-row "rows" program takes ~190 KB of shared memory), the fewest
   that fill the machine (`plan_splits`), at most MAX_TILES tiles each. Partials stay fp32
   ([N, S, H, 512]); a split that saw no row writes only its -inf log-sum-exp and the combine reads no
@@ -196,10 +201,12 @@ def _mla_split_kernel(
     o_base = o_ptr + n * s_on + sp * s_os
     if ROWS_MAJOR:
         out = acc / tl.where(has, l_sum, 1.0)[None, :]
-        tl.store(o_base + heads[None, :] * s_oh + dr[:, None], out, mask=(hmask & keep)[None, :])
+        tl.store(o_base + heads[None, :] * s_oh + dr[:, None], out.to(o_ptr.dtype.element_ty),
+                 mask=(hmask & keep)[None, :])
     else:
         out = acc / tl.where(has, l_sum, 1.0)[:, None]
-        tl.store(o_base + heads[:, None] * s_oh + dr[None, :], out, mask=(hmask & keep)[:, None])
+        tl.store(o_base + heads[:, None] * s_oh + dr[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=(hmask & keep)[:, None])
 
 
 @triton.jit(do_not_specialize=["S"])
@@ -222,7 +229,7 @@ def _mla_combine_kernel(
         s = s0 + tl.arange(0, SC)
         lse = tl.load(lse_ptr + n * s_ln + s * s_ls + h, mask=s < S, other=float("-inf"))
         part = tl.load(o_ptr + n * s_on + s[:, None] * s_os + h * s_oh + dr[None, :],
-                       mask=(lse > float("-inf"))[:, None], other=0.0)
+                       mask=(lse > float("-inf"))[:, None], other=0.0).to(tl.float32)
         m_new = tl.maximum(m, tl.max(lse, axis=0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_safe)  # 0 while nothing was seen
@@ -234,7 +241,7 @@ def _mla_combine_kernel(
     tl.store(out_ptr + n * s_outn + h * s_outh + dr, acc.to(out_ptr.dtype.element_ty))
 
 
-LAYOUTS = ("rows", "heads")
+LAYOUTS = ("rows", "heads", "heads64")
 
 
 def plan_splits(n: int, hblocks: int, max_context: int, block_n: int, sms: int) -> int:
@@ -258,6 +265,7 @@ def mla_decode_latent(
     q_full: torch.Tensor, pages: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
     max_context: int, scale: float, kv_lora_rank: int, num_splits: int | None = None, block_n: int = 64,
     num_warps: int = 8, num_stages: int = 3, layout: str = "heads", prefetch: int = 2, pdl: bool = False,
+    partial_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Attention of q_full [N, H, R + d_r] over each sequence's cached rows; returns o_lat [N, H, R] fp32.
 
@@ -267,8 +275,11 @@ def mla_decode_latent(
     context. Knobs (defaults: the best of the sweep on an H200 at batch 1 and 8 x 32K and 64 x 8K, heads
     bn64 w8 s3 pf2, 1.1-1.2x the rows layout's best; benchmarks/gpu_kernels.py --only mla sweeps them): block_n rows per tile (a power of two >= 16; 64 is the most a
     "rows" program fits in shared memory at 2 stages), num_warps, num_stages, layout "rows"
-    (wgmma-shaped products) or "heads", prefetch = tiles pulled into L2 ahead (CUDA only; 0 = off),
-    pdl = launch the combine kernel early (CUDA only), num_splits = None to plan (`plan_splits`).
+    (wgmma-shaped products) or "heads" or "heads64" (heads padded to a block of 64 with zero queries: both
+    products are wgmma with M = 64), prefetch = tiles pulled into L2 ahead (CUDA only; 0 = off),
+    pdl = launch the combine kernel early (CUDA only), num_splits = None to plan (`plan_splits`),
+    partial_dtype = the split partials' dtype (fp32, or bf16 to halve their bytes; products, softmax and
+    the combine's sums stay fp32).
     """
     n, h, width = q_full.shape
     r, dr = kv_lora_rank, width - kv_lora_rank
@@ -282,6 +293,8 @@ def mla_decode_latent(
         # stages of it (three of 32 fp32 rows would fill shared memory)
         block_n, num_stages = min(block_n, 32), min(num_stages, 2)
     bh = max(16, min(32, triton.next_power_of_2(h)))  # tl.dot needs >= 16 rows
+    if layout == "heads64":  # wgmma's M: the heads past h are masked (zero queries, no store)
+        layout, bh = "heads", 64
     hblocks = triton.cdiv(h, bh)
     on_gpu = q_full.is_cuda
     if num_splits is None:
@@ -290,7 +303,8 @@ def mla_decode_latent(
     tiles = triton.cdiv(max(max_context, 1), block_n)
     # no split without a tile, none longer than MAX_TILES tiles
     num_splits = max(triton.cdiv(tiles, MAX_TILES), min(num_splits, tiles))
-    part = torch.empty(n, num_splits, h, r, dtype=torch.float32, device=q_full.device)
+    assert partial_dtype in (torch.float32, torch.bfloat16), partial_dtype
+    part = torch.empty(n, num_splits, h, r, dtype=partial_dtype, device=q_full.device)
     lse = torch.empty(n, num_splits, h, dtype=torch.float32, device=q_full.device)
     # the L2 prefetch and PDL are inline PTX: compiled kernels only (the CPU interpreter runs without them)
     aligned = pages.data_ptr() % 16 == 0 and pages.stride(0) * pages.element_size() % 16 == 0
@@ -309,13 +323,14 @@ def mla_decode_latent(
 
 
 def combine_splits(part: torch.Tensor, lse: torch.Tensor, pdl: bool = False) -> torch.Tensor:
-    """Merge split-K partial outputs part [N, S, H, R] by their log2-sum-exp lse [N, S, H]: [N, H, R] fp32.
+    """Merge split-K partial outputs part [N, S, H, R] (fp32 or bf16) by their log2-sum-exp lse [N, S, H]:
+    [N, H, R] fp32.
     A split with lse = -inf contributes nothing and its partial is not read. pdl (CUDA): launch as a
     programmatic dependent of the kernel before it on the stream, which may then still be running; the
     combine waits for that kernel's writes before it reads."""
     n, num_splits, h, r = part.shape
     if num_splits == 1:
-        return part[:, 0]
+        return part[:, 0].float()  # (a view when fp32)
     out = torch.empty(n, h, r, dtype=torch.float32, device=part.device)
     # all splits in one chunk up to 256 (its loads are not pipelined: one chunk = one round trip), and
     # at most 4096 partial values per program (32 registers a thread)

@@ -49,7 +49,8 @@ def test_mla_decode_matches_reference(ctx):
     assert rel_err(o, o_ref) < 1e-2
 
 
-# The default (heads-major, 64-row tiles, 8 warps, 3 stages, L2 prefetch 2) and one of each other knob;
+# The default (heads-major, 64-row tiles, 8 warps, 3 stages, L2 prefetch 2) and one of each other knob
+# (heads64 = heads padded to 64, wgmma; bf16 split partials);
 # gpu_kernels.py --only mla checks every swept config against an fp32 reference before timing it.
 MLA_VARIANTS = [
     {},
@@ -57,6 +58,11 @@ MLA_VARIANTS = [
     {"prefetch": 0},
     {"pdl": True},
     {"block_n": 32},
+    {"num_warps": 4},
+    {"layout": "heads64", "block_n": 32, "num_stages": 4},
+    {"layout": "heads64", "block_n": 64, "num_stages": 2},
+    {"partial_dtype": torch.bfloat16},
+    {"layout": "heads64", "block_n": 32, "num_stages": 4, "partial_dtype": torch.bfloat16},
 ]
 
 
@@ -70,7 +76,8 @@ def _latent_reference(qf, pages, bt, ctx, scale):
     return out
 
 
-@pytest.mark.parametrize("kw", MLA_VARIANTS, ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()) or "default")
+@pytest.mark.parametrize("kw", MLA_VARIANTS,
+                         ids=lambda kw: "-".join(f"{k}{str(v).removeprefix('torch.')}" for k, v in kw.items()) or "default")
 @pytest.mark.parametrize("ctx,max_context", [([32768, 4000], None), ([1, 77, 1000, 5], None), ([63, 130, 1], 131072)],
                          ids=["32K", "short", "graph-plan"])
 def test_mla_decode_latent_variants(kw, ctx, max_context):
