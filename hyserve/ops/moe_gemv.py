@@ -212,9 +212,6 @@ def experts_forward_gemv(
 SIDE_STREAM_MAX_TOKENS = 4
 
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
-# eager calls that ran the split launches once, so that a capture after them finds the kernels built: Triton
-# cannot load a module while a stream is being captured
-_split_warm: set[tuple] = set()
 
 
 @dataclass
@@ -291,9 +288,8 @@ def gemv_start(
     """`experts_forward_gemv` before the router has run, for k experts a token: the buffers (on the current
     stream) and, if `split`, the shared expert's pair, so that `finish(ids, weights)` launches only the
     routed pairs. `split` defaults to on for a SiLU-GLU shared pair of up to SIDE_STREAM_MAX_TOKENS tokens
-    on a CUDA stream being captured, where the shared pair then runs on a side stream while the router runs;
-    eagerly it splits once per shape, on the current stream, to build the kernels before a capture. The sums
-    are bit-identical either way."""
+    on CUDA; while a stream is being captured the shared pair runs on a side stream concurrently with the
+    router, otherwise on the current stream. The sums are bit-identical either way."""
     t = x.shape[0]
     # the best of a sweep on an H200 (48B shape with the shared expert, CUDA-graph replay): up 2.98 TB/s at
     # 1 token and 4.02 at 8; down 2.90 TB/s at 1 token, 3.60 at 8 with the smaller tile
@@ -312,20 +308,17 @@ def gemv_start(
     # PDL measured 1.03x at 1 token and 0.93x at 8 (48B shape, H200 graph replays, 2026-11-30)
     pdl = t * k <= 16 and _pdl_ok(x, w2, shared) if pdl is None else pdl
     pdl = pdl and silu and x.is_cuda  # PTX only: the CPU interpreter never sees it
-    auto = split is None
-    if auto:
+    if split is None:
+        # eager steps split too (on one stream), so the kernels a capture replays are built before it:
+        # Triton cannot load a module while a stream is being captured
         split = shared is not None and silu and x.is_cuda and 0 < t <= SIDE_STREAM_MAX_TOKENS
     split = split and shared is not None and t > 0
-    capturing = split and x.is_cuda and torch.cuda.is_current_stream_capturing()
-    if auto and split and not capturing:  # eagerly, once per shape and layer
-        split = _first_split((x.device, x.dtype, t, k, x.stride(0), x.data_ptr() % 16, w13.data_ptr(),
-                              w2.data_ptr(), offs, up, down, pdl))
     assert not split or silu, "the split launches fuse the activation into the down kernel"
     pairs = k + (shared is not None)
-    side = _side_stream(x.device) if split and x.is_cuda else None  # made by the eager split, before a capture
+    capturing = split and x.is_cuda and torch.cuda.is_current_stream_capturing()
     run = GemvRun(
         x, w13, w2, act, k, shared is not None, offs, (up_n, *up[1:]), down, silu, pdl, split,
-        side if capturing else None,
+        _side_stream(x.device) if capturing else None,
         torch.empty(t * pairs, 2 * inter, dtype=x.dtype, device=x.device),
         torch.empty(t * pairs, d, dtype=torch.float32, device=x.device),
     )
@@ -336,13 +329,6 @@ def gemv_start(
     elif split:
         run._shared_pair()
     return run
-
-
-def _first_split(key: tuple) -> bool:
-    if key in _split_warm:
-        return False
-    _split_warm.add(key)
-    return True
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:

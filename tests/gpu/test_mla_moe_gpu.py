@@ -349,7 +349,7 @@ def test_gemv_experts_with_pdl_equal_the_plain_launches_bit_for_bit(tokens):
 def test_moe_layer_runs_the_shared_expert_on_a_side_stream_in_a_graph_bit_for_bit(tokens, monkeypatch):
     """A captured decode MoE layer (48B dims, 64 experts) launches the shared expert's pair on a side stream
     before the router, and the routed pairs after it: its replays equal the eager layer's single-stream
-    launches (all pairs at once, and split once before the capture) bit for bit."""
+    launches (split, and all pairs at once) bit for bit."""
     from hyserve.models.config import parse_config, with_changes
     from hyserve.models.layers import moe as moe_layer
     from hyserve.models.presets import preset_config
@@ -361,14 +361,15 @@ def test_moe_layer_runs_the_shared_expert_on_a_side_stream_in_a_graph_bit_for_bi
     for name, p in layer.named_parameters():  # as the loader keeps them: the router in fp32, the rest bf16
         p.data = (torch.randn(p.shape, device="cuda", generator=gen) * 0.02).to(
             torch.float32 if name.startswith("gate.") else torch.bfloat16)
-    monkeypatch.setattr(moe_gemv, "_split_warm", set())
     runs = []
     start = moe_layer.gemv_start
     monkeypatch.setattr(moe_layer, "gemv_start", lambda *a, **kw: runs.append(start(*a, **kw)) or runs[-1])
     x = torch.randn(tokens, cfg.hidden_size, device="cuda", generator=gen).to(torch.bfloat16)
     with torch.no_grad():
-        split = layer(x)  # the first eager call splits on one stream: builds the kernels the capture launches
-        whole = layer(x)
+        split = layer(x)  # eagerly split on one stream: also builds the kernels the capture launches
+        with monkeypatch.context() as m:
+            m.setattr(moe_gemv, "SIDE_STREAM_MAX_TOKENS", 0)
+            whole = layer(x)
         assert [r.split for r in runs] == [True, False] and runs[0].side is None
         assert torch.equal(split, whole)
         graph = torch.cuda.CUDAGraph()
