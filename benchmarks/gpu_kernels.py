@@ -378,8 +378,26 @@ def router_rows(ceil, gen) -> list[str]:
                     f"warps) {cfg}; cast + GEMV + selection {old * 1e3:.1f} µs, {old / ms:.2f}x |")
     return rows
 
+def argmax_rows_bench(ceil, gen) -> list[str]:
+    """The sampler's greedy argmax over the 48B vocabulary (163,840 fp32 logits a row), launched eagerly as the
+    sampler launches it after the step's graph: the two-launch Triton reduction against torch.argmax."""
+    from hyserve.ops.argmax import argmax_rows
+
+    rows = []
+    for n in (1, 64):
+        x = torch.randn(n, 163840, device="cuda", generator=gen)
+        ours = time_ms(lambda: argmax_rows(x), 5, 50)
+        ref = time_ms(lambda: x.argmax(dim=-1), 5, 50)
+        byts = x.numel() * 4
+        floor = byts / (ceil["copy_tbs"] * 1e12) * 1e3
+        rows.append(f"| greedy argmax, {n} row(s) x 163,840 | {ours * 1e3:.1f} µs | {byts / 1e6:.1f} MB | "
+                    f"{byts / ours / 1e9:.2f} TB/s | {floor * 1e3:.1f} µs | {floor / ours:.0%} | torch.argmax "
+                    f"{ref * 1e3:.1f} µs ({ref / ours:.2f}x ours) |")
+    return rows
+
+
 SECTIONS = {"kda": kda_rows, "kda_prefill": kda_prefill_rows, "kda_multi": kda_multi_rows, "mla": mla_rows, "moe": moe_rows,
-            "gemv": gemv_rows, "router": router_rows}
+            "gemv": gemv_rows, "router": router_rows, "argmax": argmax_rows_bench}
 
 
 def main(ceil=None, argv: list[str] | None = None) -> None:
