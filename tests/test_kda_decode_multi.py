@@ -31,24 +31,25 @@ def dec():
     return importlib.import_module("hyserve.ops.kda_decode")
 
 
-def make_case(n: int, t: int, fresh: list[bool], seed: int) -> dict:
+def make_case(n: int, t: int, fresh: list[bool], seed: int, h: int = H) -> dict:
     """Inputs as the layer passes them (column slices of one merged projection) and layer views of
-    two-layer pools, so every stride the kernels take differs from the contiguous one."""
+    two-layer pools, so every stride the kernels take differs from the contiguous one (h heads of K)."""
     gen = torch.Generator().manual_seed(seed)
-    proj = torch.randn(n * t, 3 * P + P + H + P + 3, generator=gen)
-    proj[:, 3 * P : 4 * P] *= 8  # softplus inputs on both sides of its threshold of 20
-    x, f, b, gate = proj[:, : 3 * P], proj[:, 3 * P : 4 * P], proj[:, 4 * P : 4 * P + H], proj[:, 4 * P + H : -3]
-    conv = torch.randn(SLOTS, 2, 3 * P, W - 1, generator=gen)
-    rec = torch.randn(SLOTS, 2, H, K, K, generator=gen) * 0.3
+    p = h * K
+    proj = torch.randn(n * t, 3 * p + p + h + p + 3, generator=gen)
+    proj[:, 3 * p : 4 * p] *= 8  # softplus inputs on both sides of its threshold of 20
+    x, f, b, gate = proj[:, : 3 * p], proj[:, 3 * p : 4 * p], proj[:, 4 * p : 4 * p + h], proj[:, 4 * p + h : -3]
+    conv = torch.randn(SLOTS, 2, 3 * p, W - 1, generator=gen)
+    rec = torch.randn(SLOTS, 2, h, K, K, generator=gen) * 0.3
     slots = torch.tensor([5, 1, 3][:n])  # unordered, with gaps
     fresh_t = torch.tensor(fresh)
     conv[slots[fresh_t], 1] = float("nan")  # a fresh slot's old contents must never be read
     rec[slots[fresh_t], 1] = float("nan")
     return dict(
         x=x, f=f, b=b, gate=gate, conv=conv, rec=rec, slots=slots, fresh=fresh_t,
-        cw=torch.randn(3 * P, W, generator=gen) * 0.5,
-        alog=torch.log(torch.rand(H, generator=gen) * 3 + 0.5),
-        dtb=torch.rand(P, generator=gen) * 2 - 1,
+        cw=torch.randn(3 * p, W, generator=gen) * 0.5,
+        alog=torch.log(torch.rand(h, generator=gen) * 3 + 0.5),
+        dtb=torch.rand(p, generator=gen) * 2 - 1,
         onw=torch.rand(K, generator=gen) + 0.5,
     )
 
@@ -185,7 +186,7 @@ def with_low_rank_gates(c: dict, r: int, dtype: torch.dtype, seed: int) -> tuple
     without the option; c["fa"] and c["ga"] hold the low-rank inputs. Returns (c, that weight)."""
     gen = torch.Generator().manual_seed(seed)
     y = torch.randn(c["x"].shape[0], 2 * r + 3, generator=gen).to(dtype)
-    fg_b = torch.randn(2, r, P, generator=gen) * r**-0.5
+    fg_b = torch.randn(2, r, c["x"].shape[1] // 3, generator=gen) * r**-0.5
     fg_b[0] *= 12  # softplus inputs on both sides of its threshold of 20
     fg_b = fg_b.to(dtype)
     c = dict(c, fa=y[:, 1 : r + 1], ga=y[:, r + 1 : 2 * r + 1])
@@ -220,6 +221,40 @@ def test_low_rank_gates_in_the_prep_kernel_equal_the_bmm(dec, t, r, lower_bound,
     assert rel_err(folded["rec"][c["slots"], 1], st_ref) < tol
     assert torch.equal(folded["conv"], c["conv"])  # copies of the inputs: exact
     assert torch.equal(folded["conv"][c["slots"], 1], tails_ref.to(dtype))
+
+
+@pytest.mark.parametrize(("t", "fg"), [(1, False), (3, False), (2, True)], ids=["t1", "t3", "t2-fg_b"])
+@pytest.mark.parametrize(("prep_heads", "prep_warps"), [(2, None), (4, 1), (1, 2), (4, 8)])
+def test_prep_variants_equal_the_default_prep(dec, prep_heads, prep_warps, t, fg):
+    """prep_heads / prep_warps (several heads per prep program, other warp counts) do each head's
+    arithmetic as the default prep does: the same outputs, states and conv tails, bit for bit, with fresh
+    slots among the sequences, T > 1 tokens (T = 1 through `kda_decode`) and the low-rank gates (fg_b).
+    Four heads, so prep_heads 2 makes two programs per sequence and 4 one."""
+    c = make_case(3, t, [True, False, True], seed=90 + t, h=4)
+    fg_b = None
+    if fg:
+        c, fg_b = with_low_rank_gates(c, 24, torch.float32, seed=91)
+        c["f"], c["gate"] = c["fa"], c["ga"]
+    variant = {k: v.clone() for k, v in c.items()}
+
+    def call(c, **kw):
+        args = (c["x"], c["f"], c["b"], c["gate"], c["cw"], c["conv"][:, 1], c["rec"][:, 1], c["alog"], c["dtb"],
+                c["onw"], c["slots"], c["fresh"], K**-0.5, EPS, None)
+        if t == 1:
+            return dec.kda_decode(*args, block_v=8, fg_b=fg_b, **kw)
+        return dec.kda_decode_multi(*args, t, block_v=8, fg_b=fg_b, **kw)
+
+    want = call(c)
+    got = call(variant, prep_heads=prep_heads, prep_warps=prep_warps)
+    assert torch.isfinite(want).all()
+    assert torch.equal(got, want)
+    assert torch.equal(variant["rec"], c["rec"]) and torch.equal(variant["conv"], c["conv"])
+
+
+def test_prep_heads_must_divide_the_heads(dec):
+    c = make_case(1, 1, [False], seed=5, h=4)
+    with pytest.raises(AssertionError):
+        run_multi(dec, c, 1, None, prep_heads=3)
 
 
 def test_low_rank_gates_rejects_a_weight_of_another_shape(dec):
