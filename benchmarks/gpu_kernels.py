@@ -5,7 +5,6 @@ expert weights vs bandwidth, FLOPs vs matmul rate).
 
     python benchmarks/gpu_kernels.py                 # every section
     python benchmarks/gpu_kernels.py --only kda,moe  # some of kda, kda_prefill, kda_multi, mla, moe
-    python benchmarks/gpu_kernels.py --only kda_prep # the KDA decode prep-kernel sweep alone (kda runs it too)
 
 KDA decode, MLA decode and MoE are timed as CUDA-graph replays, as decode steps run them (a timed eager
 call also counts the host's launch path, which is most of it at batch 1). MLA decode is timed with L2
@@ -42,8 +41,9 @@ def kda_rows(ceil, gen) -> list[str]:
     two launches) swept over its block configs, and next to it the former three launches (a separate
     finish kernel) at the same best config and at the default one; in the note, PDL. Per call in a graph
     of 8 calls, as the engine's step graph runs 20 KDA layers (batch 1's 2 MB of state stays in L2 across
-    the calls). Every batch ends with the prep sweep (`_kda_prep_row`)."""
+    the calls)."""
     h, k, w = 32, 128, 4
+    p = h * k
     rows = []
     for n in (1, 64, 256):
         args = (*_kda_inputs(n, 1, h, k, w, gen), k**-0.5, 1e-5, None)
@@ -62,7 +62,8 @@ def kda_rows(ceil, gen) -> list[str]:
         pdl_best = time_graph_per_call_ms(lambda: kda_decode(*args, num_warps=nw, block_v=bv, pdl=True))
         options = (f"PDL {pdl * 1e3:.1f} µs at the default config ({pdl / default:.2f}x it), {pdl_best * 1e3:.1f} µs "
                    f"at the best ({pdl_best / ms:.2f}x)")
-        byts, floor = _kda_floor(ceil, n, h, k)
+        byts = n * h * k * k * 4 * 2 + n * (3 * p * 2 * 2 + 3 * p * 3 * 2 * 2 + 3 * p * 2)
+        floor = byts / (ceil["copy_tbs"] * 1e12) * 1e3
         for name, t, note in (
             ("two launches (fused finish)", ms, f"best of sweep: block_v {bv}, num_warps {nw}; default config "
              f"{default * 1e3:.1f} µs; {options}"),
@@ -71,44 +72,7 @@ def kda_rows(ceil, gen) -> list[str]:
         ):
             rows.append(f"| KDA decode, batch {n}, {name} | {t * 1e3:.1f} µs | {byts / 1e6:.1f} MB | "
                         f"{byts / t / 1e9:.2f} TB/s | {floor * 1e3:.1f} µs | {floor / t:.0%} | {note} |")
-        rows.append(_kda_prep_row(ceil, args, n, h, k))
     return rows
-
-
-def _kda_floor(ceil, n: int, h: int, k: int) -> tuple[int, float]:
-    """(bytes, floor in ms) of one-token KDA decode at batch n: the fp32 state read and written, the bf16
-    inputs, conv tails and output, over the measured copy bandwidth."""
-    p = h * k
-    byts = n * h * k * k * 4 * 2 + n * (3 * p * 2 * 2 + 3 * p * 3 * 2 * 2 + 3 * p * 2)
-    return byts, byts / (ceil["copy_tbs"] * 1e12) * 1e3
-
-
-# prep-kernel (heads per program, warps per program); (1, 4) is the default
-KDA_PREP_SWEEP = [(hp, nw) for hp in (1, 2, 4, 8, 16) for nw in ((1, 2, 4) if QUICK else (1, 2, 4, 8))]
-
-
-def _kda_prep_row(ceil, args: tuple, n: int, h: int, k: int) -> str:
-    """The prep kernel's shape with PDL on, the state kernel at its default config: `prep_heads` heads per
-    program (fewer, longer programs) x `prep_warps` warps, so that the PDL-launched state programs get SM
-    slots (registers: the prep holds ~16K a head, 4 heads an SM at the default) while the prep runs. One
-    row per batch: the best config; the note lists every config as µs (% of floor)."""
-    byts, floor = _kda_floor(ceil, n, h, k)
-    times = {(hp, nw): time_graph_per_call_ms(lambda hp=hp, nw=nw: kda_decode(*args, pdl=True, prep_heads=hp,
-                                                                               prep_warps=nw))
-             for hp, nw in KDA_PREP_SWEEP}
-    (hp, nw), ms = min(times.items(), key=lambda kv: kv[1])
-    default = times[(1, 4)]
-    every = ", ".join(f"{a}x{b} {t * 1e3:.1f} ({floor / t:.0%})" for (a, b), t in times.items())
-    return (f"| KDA decode, batch {n}, PDL, prep sweep best | {ms * 1e3:.1f} µs | {byts / 1e6:.1f} MB | "
-            f"{byts / ms / 1e9:.2f} TB/s | {floor * 1e3:.1f} µs | {floor / ms:.0%} | best prep_heads {hp}, prep_warps "
-            f"{nw} ({ms / default:.3f}x the default prep, 1x4: {default * 1e3:.1f} µs = {floor / default:.0%}); "
-            f"heads x warps µs (floor/time): {every} |")
-
-
-def kda_prep_rows(ceil, gen) -> list[str]:
-    """The prep sweep of `kda_rows` alone (batches 1, 64, 256, one token per sequence)."""
-    h, k, w = 32, 128, 4
-    return [_kda_prep_row(ceil, (*_kda_inputs(n, 1, h, k, w, gen), k**-0.5, 1e-5, None), n, h, k) for n in (1, 64, 256)]
 
 
 def _kda_inputs(n: int, t: int, h: int, k: int, w: int, gen) -> tuple:
@@ -414,27 +378,8 @@ def router_rows(ceil, gen) -> list[str]:
                     f"warps) {cfg}; cast + GEMV + selection {old * 1e3:.1f} µs, {old / ms:.2f}x |")
     return rows
 
-def argmax_rows_bench(ceil, gen) -> list[str]:
-    """The sampler's greedy argmax over the 48B vocabulary (163,840 fp32 logits a row), launched eagerly as the
-    sampler launches it after the step's graph: the two-launch Triton reduction against torch.argmax."""
-    from hyserve.ops.argmax import argmax_rows
-
-    rows = []
-    for n in (1, 64):
-        x = torch.randn(n, 163840, device="cuda", generator=gen)
-        ours = time_ms(lambda: argmax_rows(x), 5, 50)
-        ref = time_ms(lambda: x.argmax(dim=-1), 5, 50)
-        byts = x.numel() * 4
-        floor = byts / (ceil["copy_tbs"] * 1e12) * 1e3
-        rows.append(f"| greedy argmax, {n} row(s) x 163,840 | {ours * 1e3:.1f} µs | {byts / 1e6:.1f} MB | "
-                    f"{byts / ours / 1e9:.2f} TB/s | {floor * 1e3:.1f} µs | {floor / ours:.0%} | torch.argmax "
-                    f"{ref * 1e3:.1f} µs ({ref / ours:.2f}x ours) |")
-    return rows
-
-
 SECTIONS = {"kda": kda_rows, "kda_prefill": kda_prefill_rows, "kda_multi": kda_multi_rows, "mla": mla_rows, "moe": moe_rows,
-            "gemv": gemv_rows, "router": router_rows, "argmax": argmax_rows_bench, "kda_prep": kda_prep_rows}
-DEFAULT_SECTIONS = [s for s in SECTIONS if s != "kda_prep"]  # kda runs the prep sweep already
+            "gemv": gemv_rows, "router": router_rows}
 
 
 def main(ceil=None, argv: list[str] | None = None) -> None:
@@ -442,8 +387,7 @@ def main(ceil=None, argv: list[str] | None = None) -> None:
     if argv is None:
         argv = [] if ceil is not None else sys.argv[1:]
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--only", default=",".join(DEFAULT_SECTIONS),
-                   help="comma-separated sections: " + ", ".join(SECTIONS))
+    p.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections: " + ", ".join(SECTIONS))
     args = p.parse_args(argv)
     ceil = ceil or ceilings()
     gen = torch.Generator("cuda").manual_seed(0)

@@ -31,25 +31,24 @@ def dec():
     return importlib.import_module("hyserve.ops.kda_decode")
 
 
-def make_case(n: int, t: int, fresh: list[bool], seed: int, h: int = H) -> dict:
+def make_case(n: int, t: int, fresh: list[bool], seed: int) -> dict:
     """Inputs as the layer passes them (column slices of one merged projection) and layer views of
-    two-layer pools, so every stride the kernels take differs from the contiguous one (h heads of K)."""
+    two-layer pools, so every stride the kernels take differs from the contiguous one."""
     gen = torch.Generator().manual_seed(seed)
-    p = h * K
-    proj = torch.randn(n * t, 3 * p + p + h + p + 3, generator=gen)
-    proj[:, 3 * p : 4 * p] *= 8  # softplus inputs on both sides of its threshold of 20
-    x, f, b, gate = proj[:, : 3 * p], proj[:, 3 * p : 4 * p], proj[:, 4 * p : 4 * p + h], proj[:, 4 * p + h : -3]
-    conv = torch.randn(SLOTS, 2, 3 * p, W - 1, generator=gen)
-    rec = torch.randn(SLOTS, 2, h, K, K, generator=gen) * 0.3
+    proj = torch.randn(n * t, 3 * P + P + H + P + 3, generator=gen)
+    proj[:, 3 * P : 4 * P] *= 8  # softplus inputs on both sides of its threshold of 20
+    x, f, b, gate = proj[:, : 3 * P], proj[:, 3 * P : 4 * P], proj[:, 4 * P : 4 * P + H], proj[:, 4 * P + H : -3]
+    conv = torch.randn(SLOTS, 2, 3 * P, W - 1, generator=gen)
+    rec = torch.randn(SLOTS, 2, H, K, K, generator=gen) * 0.3
     slots = torch.tensor([5, 1, 3][:n])  # unordered, with gaps
     fresh_t = torch.tensor(fresh)
     conv[slots[fresh_t], 1] = float("nan")  # a fresh slot's old contents must never be read
     rec[slots[fresh_t], 1] = float("nan")
     return dict(
         x=x, f=f, b=b, gate=gate, conv=conv, rec=rec, slots=slots, fresh=fresh_t,
-        cw=torch.randn(3 * p, W, generator=gen) * 0.5,
-        alog=torch.log(torch.rand(h, generator=gen) * 3 + 0.5),
-        dtb=torch.rand(p, generator=gen) * 2 - 1,
+        cw=torch.randn(3 * P, W, generator=gen) * 0.5,
+        alog=torch.log(torch.rand(H, generator=gen) * 3 + 0.5),
+        dtb=torch.rand(P, generator=gen) * 2 - 1,
         onw=torch.rand(K, generator=gen) + 0.5,
     )
 
@@ -177,33 +176,3 @@ def test_rejects_rows_not_a_multiple_of_tokens_per_seq(dec):
     c = make_case(1, 5, [False], seed=1)
     with pytest.raises(AssertionError):
         run_multi(dec, c, 3, None)
-
-
-@pytest.mark.parametrize("t", [1, 3])
-@pytest.mark.parametrize(("prep_heads", "prep_warps"), [(2, None), (4, 1), (1, 2), (4, 8)])
-def test_prep_variants_equal_the_default_prep(dec, prep_heads, prep_warps, t):
-    """prep_heads / prep_warps (several heads per prep program, other warp counts) do each head's
-    arithmetic as the default prep does: the same outputs, states and conv tails, bit for bit, with fresh
-    slots among the sequences and T > 1 tokens (T = 1 through `kda_decode`).
-    Four heads, so prep_heads 2 makes two programs per sequence and 4 one."""
-    c = make_case(3, t, [True, False, True], seed=90 + t, h=4)
-    variant = {k: v.clone() for k, v in c.items()}
-
-    def call(c, **kw):
-        args = (c["x"], c["f"], c["b"], c["gate"], c["cw"], c["conv"][:, 1], c["rec"][:, 1], c["alog"], c["dtb"],
-                c["onw"], c["slots"], c["fresh"], K**-0.5, EPS, None)
-        if t == 1:
-            return dec.kda_decode(*args, block_v=8, **kw)
-        return dec.kda_decode_multi(*args, t, block_v=8, **kw)
-
-    want = call(c)
-    got = call(variant, prep_heads=prep_heads, prep_warps=prep_warps)
-    assert torch.isfinite(want).all()
-    assert torch.equal(got, want)
-    assert torch.equal(variant["rec"], c["rec"]) and torch.equal(variant["conv"], c["conv"])
-
-
-def test_prep_heads_must_divide_the_heads(dec):
-    c = make_case(1, 1, [False], seed=5, h=4)
-    with pytest.raises(AssertionError):
-        run_multi(dec, c, 1, None, prep_heads=3)

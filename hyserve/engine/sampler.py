@@ -17,7 +17,6 @@ import torch
 from torch import Tensor, nn
 
 from hyserve.models.batch import to_device
-from hyserve.ops.argmax import argmax_rows
 from hyserve.outputs import Logprob
 from hyserve.sampling_params import SamplingParams, SamplingType
 
@@ -297,7 +296,7 @@ class Sampler(nn.Module):
             )
 
         # Truncation always keeps the most likely token, so the argmax here is the greedy choice.
-        token_ids = argmax_rows(logits)
+        token_ids = logits.argmax(dim=-1)
         if not m.all_greedy:
             logits = logits / m.temperature.unsqueeze(1)
             if m.min_p is not None:

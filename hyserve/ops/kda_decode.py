@@ -95,38 +95,34 @@ def _kda_prep_kernel(
     a_log_ptr, dt_bias_ptr, slots_ptr, fresh_ptr, qkvg_ptr, beta_ptr,
     P, H, scale, lower_bound,
     T: tl.constexpr, K: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BOUNDED: tl.constexpr,
-    PDL: tl.constexpr, HEADS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """Program (n, hb) does heads hb*HEADS .. hb*HEADS+HEADS-1 one after another: for each token t, writes
-    q̂ (normed, scaled), k̂ (normed), v and exp(gate) of head h as rows 0..3 of qkvg[n*T+t, h] (fp32), and
-    σ(b) to beta; then the conv-tail shift of the head's q/k/v channels. Each head's arithmetic is the same
-    whatever HEADS (the loop only makes fewer, longer programs). PDL: lets the state kernel launch now (it
-    waits for this grid before reading qkvg/beta)."""
+    """Program (n, h): for each token t, writes q̂ (normed, scaled), k̂ (normed), v and exp(gate) of head h
+    as rows 0..3 of qkvg[n*T+t, h] (fp32), and σ(b) to beta; then the conv-tail shift of the head's q/k/v
+    channels. PDL: lets the state kernel launch now (it waits for this grid before reading qkvg/beta)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     n = tl.program_id(0)
+    h = tl.program_id(1)
     slot = tl.load(slots_ptr + n).to(tl.int64)
     fresh = tl.load(fresh_ptr + n) != 0
     row0 = n * T
     tail_ptr = conv_ptr + slot * s_cs
-    for j in range(HEADS):
-        h = tl.program_id(1) * HEADS + j
-        # the three conv parts in one window per token, and the output in the layout the state kernel reads
-        i, part, c = _head_lanes(P, h, K)
-        gl = tl.where(part == 3, i - 3 * K, 0)
-        a = tl.exp(tl.load(a_log_ptr + h))
-        dtb = tl.load(dt_bias_ptr + h * K + gl)
-        for t in range(T):
-            y = _conv_out(x_ptr, s_xn, row0, t, conv_w_ptr, tail_ptr, s_cc, s_cw, c, fresh, T, W, WP)
-            qn = tl.rsqrt(tl.sum(tl.where(part == 0, y * y, 0.0), axis=0) + 1e-6) * scale
-            kn = tl.rsqrt(tl.sum(tl.where(part == 1, y * y, 0.0), axis=0) + 1e-6)
-            y = y * tl.where(part == 0, qn, tl.where(part == 1, kn, 1.0))
-            f = tl.load(f_ptr + (row0 + t) * s_fn + h * K + gl).to(tl.float32) + dtb
-            y = tl.where(part == 3, _decay_of(f, a, lower_bound, BOUNDED), y)
-            tl.store(qkvg_ptr + ((row0 + t) * H + h) * 4 * K + i, y)
-            tl.store(beta_ptr + (row0 + t) * H + h,
-                     tl.sigmoid(tl.load(b_ptr + (row0 + t) * s_bn + h).to(tl.float32)))
-        _shift_tails(x_ptr, s_xn, row0, tail_ptr, s_cc, s_cw, c, part < 3, fresh, T, W, WP)
+    # the three conv parts in one window per token, and the output in the layout the state kernel reads
+    i, part, c = _head_lanes(P, h, K)
+    gl = tl.where(part == 3, i - 3 * K, 0)
+    a = tl.exp(tl.load(a_log_ptr + h))
+    dtb = tl.load(dt_bias_ptr + h * K + gl)
+    for t in range(T):
+        y = _conv_out(x_ptr, s_xn, row0, t, conv_w_ptr, tail_ptr, s_cc, s_cw, c, fresh, T, W, WP)
+        qn = tl.rsqrt(tl.sum(tl.where(part == 0, y * y, 0.0), axis=0) + 1e-6) * scale
+        kn = tl.rsqrt(tl.sum(tl.where(part == 1, y * y, 0.0), axis=0) + 1e-6)
+        y = y * tl.where(part == 0, qn, tl.where(part == 1, kn, 1.0))
+        f = tl.load(f_ptr + (row0 + t) * s_fn + h * K + gl).to(tl.float32) + dtb
+        y = tl.where(part == 3, _decay_of(f, a, lower_bound, BOUNDED), y)
+        tl.store(qkvg_ptr + ((row0 + t) * H + h) * 4 * K + i, y)
+        tl.store(beta_ptr + (row0 + t) * H + h, tl.sigmoid(tl.load(b_ptr + (row0 + t) * s_bn + h).to(tl.float32)))
+    _shift_tails(x_ptr, s_xn, row0, tail_ptr, s_cc, s_cw, c, part < 3, fresh, T, W, WP)
 
 
 @triton.jit
@@ -237,7 +233,7 @@ def kda_decode_multi(
     conv_pool: torch.Tensor, rec_pool: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
     o_norm_weight: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor, scale: float, eps: float,
     lower_bound: float | None, tokens_per_seq: int, num_warps: int | None = None, block_v: int | None = None,
-    fused_finish: bool = True, pdl: bool | None = None, prep_heads: int = 1, prep_warps: int | None = None,
+    fused_finish: bool = True, pdl: bool | None = None,
 ) -> torch.Tensor:
     """T = tokens_per_seq new tokens for each of N sequences (rows sequence-major, N*T in all): T recurrent
     steps per sequence, as T calls of `kda_decode` would make them. Updates the slots in place (state and
@@ -252,11 +248,6 @@ def kda_decode_multi(
     runs (same results, bit for bit; 0.93x the time at batch 1, even at 64 and 256 on an H200). One
     program per (sequence, head) doing everything in one launch was 1.2x slower at batch 1 and 1.9x at 64
     (the whole [V, K] state in registers: 252 a thread at 8 warps, one program per SM).
-    prep_heads (a divisor of H) and prep_warps (default 4): the prep kernel's heads per program (done one
-    after another) and warps per program. Fewer, smaller prep programs take fewer of the SM slots that the
-    PDL-launched state programs need to start their state loads (at batch 64 the default prep grid, N*H
-    programs of 4 warps, fills the GPU for ~9 µs). Each head's arithmetic is unchanged; the warp count may
-    change the order of the fp32 sums of the q/k norms on a GPU (an ulp, not bit for bit).
     Calls on one device must not overlap in time (one stream, as the engine runs them): they share the
     arrival counters.
     """
@@ -269,7 +260,6 @@ def kda_decode_multi(
     for y in (x, f, b, gate):
         assert y.stride(-1) == 1 and y.shape[0] == n * t
     assert conv_weight.is_contiguous() and rec_pool.shape[-2] == kd and slots.shape[0] == fresh.shape[0] == n
-    assert prep_heads >= 1 and h % prep_heads == 0, "prep_heads must divide the number of heads"
     out = torch.empty(n * t, p, dtype=x.dtype, device=x.device)
     if n == 0:
         return out
@@ -289,13 +279,10 @@ def kda_decode_multi(
     # before the prep launch: growing the counters launches a fill, which must not come between the two
     # kernels (the state kernel's programmatic dependency is on the launch just before it)
     arrivals = arrival_counters(x.device, n * h) if fused_finish else o_raw  # unused without fused_finish
-    # prep compiled for sm_90a (Triton 3.9, T = 1): 124 registers at 4 warps (~16K a program: 4 programs an SM,
-    # 528 on an H200 at once, so batch 64's 2048 take ~4 waves), 64 at 8 warps, 240-255 at 1-2 warps (1 warp
-    # spills); prep_heads > 1: 128 at 4 warps, 94 at 8
-    _kda_prep_kernel[(n, h // prep_heads)](
+    _kda_prep_kernel[(n, h)](
         x, x.stride(0), f, f.stride(0), b, b.stride(0), conv_weight, conv_pool, *conv_pool.stride(),
         a_log, dt_bias, slots, fresh, qkvg, beta, p, h, scale, lb,
-        T=t, K=kd, W=w, WP=wp, BOUNDED=bounded, PDL=pdl, HEADS=prep_heads, num_warps=prep_warps or 4,
+        T=t, K=kd, W=w, WP=wp, BOUNDED=bounded, PDL=pdl, num_warps=4,
     )
     extra = {"launch_pdl": True} if pdl else {}
     _kda_state_kernel[(n, h, triton.cdiv(kd, bv))](
@@ -314,15 +301,14 @@ def kda_decode(
     conv_pool: torch.Tensor, rec_pool: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
     o_norm_weight: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor, scale: float, eps: float,
     lower_bound: float | None, num_warps: int | None = None, block_v: int | None = None, fused_finish: bool = True,
-    pdl: bool | None = None, prep_heads: int = 1, prep_warps: int | None = None,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """One token for each of N sequences; updates the slots in place, returns the normed output [N, P].
 
     x [N, 3P] pre-conv q|k|v; f [N, P] raw gate input; b [N, H] β logits; gate [N, P] output-gate
     logits (each may be a column slice of a wider projection: only the last dim must be unit-stride);
     conv_pool [slots, 3P, W-1] and rec_pool [slots, H, V, K] are this layer's views of the pools.
-    pdl, prep_heads, prep_warps: see `kda_decode_multi`.
+    pdl: see `kda_decode_multi`.
     """
     return kda_decode_multi(x, f, b, gate, conv_weight, conv_pool, rec_pool, a_log, dt_bias, o_norm_weight, slots,
-                            fresh, scale, eps, lower_bound, 1, num_warps, block_v, fused_finish, pdl, prep_heads,
-                            prep_warps)
+                            fresh, scale, eps, lower_bound, 1, num_warps, block_v, fused_finish, pdl)

@@ -14,16 +14,11 @@ rows fill only 16 of the H200's 132 SMs (13.5 µs per call against about 3 µs a
 2026-11-30). Its weights are read where they lie, through their element offsets from the routed
 weights' base pointer: one scalar base per program. (Three masked loads per tile, one per tensor, ran
 the up kernel at 1.9 TB/s against 3.1 for one load.)
-
-The shared pair does not depend on the router, so in a captured decode step (`gemv_start`) it is launched
-alone on a side stream before the router, and the routed pairs alone after it; both write the rows the
-all-pairs launches write, and one sum after the join reads them in the same order (bit-identical).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -58,74 +53,52 @@ def _gemv_rows(w_ptr, base, s_wr, rows, rmask, v_ptr, Kdim, up_off, SILU_GLU: tl
 
 
 @triton.jit
-def _pair(p, K_ROUTED: tl.constexpr, SHARED: tl.constexpr, RUN_ROUTED: tl.constexpr, RUN_SHARED: tl.constexpr):
-    """Program row p's token t, pair j (j == K_ROUTED: the shared expert) and row q of h and part. A launch
-    of only the routed or only the shared pairs has a grid of just those, and writes the same rows as the
-    launch of all pairs, so that one sum reads them in the same order."""
-    pairs: tl.constexpr = K_ROUTED + SHARED
-    if not RUN_ROUTED:
-        t = p
-        j = p * 0 + K_ROUTED
-    elif not RUN_SHARED:
-        t = p // K_ROUTED
-        j = p % K_ROUTED
-    else:
-        t = p // pairs
-        j = p % pairs
-    return t, j, t * pairs + j
-
-
-@triton.jit
 def _up_kernel(
     x_ptr, s_xm, w_ptr, s_we, s_wr, ids_ptr, gate_off, up_off, h_ptr, s_hm, inter, Kdim,
-    K_ROUTED: tl.constexpr, SHARED: tl.constexpr, RUN_ROUTED: tl.constexpr, RUN_SHARED: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
+    K_ROUTED: tl.constexpr, SHARED: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
 ):
-    """h[q] = w13[e_p] · x[t_p] over 2·inter rows. Pairs run a token's k routed experts, then (SHARED)
-    the shared expert, whose gate and up rows lie gate_off / up_off elements from w_ptr. RUN_ROUTED and
-    RUN_SHARED pick the pairs this launch runs (the shared pair alone never reads ids_ptr)."""
+    """h[p] = w13[e_p] · x[t_p] over 2·inter rows. Pairs run a token's k routed experts, then (SHARED)
+    the shared expert, whose gate and up rows lie gate_off / up_off elements from w_ptr."""
     if PDL:  # the down kernel may be scheduled now: it prefetches its weights, then waits for this grid
         tl.extra.cuda.gdc_launch_dependents()
+    p = tl.program_id(0)
     rb = tl.program_id(1)
-    t, j, q = _pair(tl.program_id(0), K_ROUTED, SHARED, RUN_ROUTED, RUN_SHARED)
-    if RUN_SHARED:  # inter is a multiple of BN (the caller sees to it): a block is all gate or all up rows
+    pairs: tl.constexpr = K_ROUTED + SHARED
+    t = p // pairs
+    j = p % pairs
+    e = tl.load(ids_ptr + t * K_ROUTED + tl.minimum(j, K_ROUTED - 1)).to(tl.int64)
+    base = e * s_we
+    if SHARED:  # inter is a multiple of BN (the caller sees to it): a block is all gate or all up rows
         shared_base = tl.where(rb * BN < inter, gate_off.to(tl.int64), up_off.to(tl.int64) - inter * s_wr)
-    if RUN_ROUTED:
-        e = tl.load(ids_ptr + t * K_ROUTED + tl.minimum(j, K_ROUTED - 1)).to(tl.int64)
-        base = e * s_we
-        if RUN_SHARED:
-            base = tl.where(j == K_ROUTED, shared_base, base)
-    else:
-        base = shared_base
+        base = tl.where(j == K_ROUTED, shared_base, base)
     rows = rb * BN + tl.arange(0, BN)
     rmask = rows < 2 * inter
     acc = _gemv_rows(w_ptr, base, s_wr, rows, rmask, x_ptr + t * s_xm, Kdim, 0, False, BN, BK)
-    tl.store(h_ptr + q * s_hm + rows, acc.to(h_ptr.dtype.element_ty), mask=rmask)
+    tl.store(h_ptr + p * s_hm + rows, acc.to(h_ptr.dtype.element_ty), mask=rmask)
 
 
 @triton.jit
 def _down_kernel(
     a_ptr, s_am, w_ptr, s_we, s_wr, ids_ptr, wts_ptr, down_off, part_ptr, s_pm, N, inter, row_bytes,
-    K_ROUTED: tl.constexpr, SHARED: tl.constexpr, RUN_ROUTED: tl.constexpr, RUN_SHARED: tl.constexpr,
-    SILU_GLU: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
+    K_ROUTED: tl.constexpr, SHARED: tl.constexpr, SILU_GLU: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """part[q] = wt_p · w2[e_p] · a[q], fp32; the shared pair (weight 1) lies down_off elements from w_ptr.
+    """part[p] = wt_p · w2[e_p] · a[p], fp32; the shared pair (weight 1) lies down_off elements from w_ptr.
     With PDL the kernel is launched while the up kernel still runs: the expert ids and weights are older
     than that kernel, so a program reads them and asks for its weight rows in L2 before it waits for the
     up kernel's output."""
+    p = tl.program_id(0)
     rb = tl.program_id(1)
-    t, j, q = _pair(tl.program_id(0), K_ROUTED, SHARED, RUN_ROUTED, RUN_SHARED)
-    if RUN_ROUTED:
-        jr = tl.minimum(j, K_ROUTED - 1)
-        e = tl.load(ids_ptr + t * K_ROUTED + jr).to(tl.int64)
-        wt = tl.load(wts_ptr + t * K_ROUTED + jr).to(tl.float32)
-        base = e * s_we
-        if RUN_SHARED:
-            base = tl.where(j == K_ROUTED, down_off.to(tl.int64), base)
-            wt = tl.where(j == K_ROUTED, 1.0, wt)
-    else:
-        base = down_off.to(tl.int64)
-        wt = 1.0
+    pairs: tl.constexpr = K_ROUTED + SHARED
+    t = p // pairs
+    j = p % pairs
+    jr = tl.minimum(j, K_ROUTED - 1)
+    e = tl.load(ids_ptr + t * K_ROUTED + jr).to(tl.int64)
+    wt = tl.load(wts_ptr + t * K_ROUTED + jr).to(tl.float32)
+    base = e * s_we
+    if SHARED:
+        base = tl.where(j == K_ROUTED, down_off.to(tl.int64), base)
+        wt = tl.where(j == K_ROUTED, 1.0, wt)
     rows = rb * BN + tl.arange(0, BN)
     rmask = rows < N
     if PDL:
@@ -133,8 +106,8 @@ def _down_kernel(
             prefetch_l2(w_ptr + base + tl.minimum(rb * BN + i, N - 1) * s_wr, row_bytes)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    acc = _gemv_rows(w_ptr, base, s_wr, rows, rmask, a_ptr + q * s_am, inter, inter, SILU_GLU, BN, BK)
-    tl.store(part_ptr + q * s_pm + rows, acc * wt, mask=rmask)
+    acc = _gemv_rows(w_ptr, base, s_wr, rows, rmask, a_ptr + p * s_am, inter, inter, SILU_GLU, BN, BK)
+    tl.store(part_ptr + p * s_pm + rows, acc * wt, mask=rmask)
 
 
 @triton.jit
@@ -195,146 +168,49 @@ def experts_forward_gemv(
     x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], shared=None,
     up: tuple[int, int, int, int] | None = None, down: tuple[int, int, int, int] | None = None,
-    pdl: bool | None = None, split: bool | None = None,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """Same contract as `moe.experts_forward`, plus the shared expert's output when `shared` (a DenseMLP
     that `shared_fits`) is given. Meant for T·k up to a few dozen pairs. `up` and `down` are each
     kernel's (BLOCK_N rows, BLOCK_K, num_warps, num_stages). `pdl` (default: up to 16 pairs on a GPU of
     compute capability 9 or later) launches the down and sum kernels as programmatic dependents of the kernel
-    before each, where the activation is read inside the down kernel (SiLU-GLU). `split`: see `gemv_start`."""
-    return gemv_start(x, ids.shape[1], w13, w2, act, shared, up, down, pdl, split).finish(ids, weights)
-
-
-# Up to this many tokens a decode step captured in a CUDA graph runs the shared expert's pair on a side
-# stream, concurrently with the router: the router's two small kernels leave HBM idle for about 6 µs per
-# layer (H200), about what the shared pair's 14 MB take at 1 token. A guess, to be measured: at more tokens
-# the shared pair grows while the router's window does not.
-SIDE_STREAM_MAX_TOKENS = 4
-
-_side_streams: dict[torch.device, torch.cuda.Stream] = {}
-
-
-@dataclass
-class GemvRun:
-    """One call's settings and buffers between `gemv_start` and `finish`."""
-
-    x: torch.Tensor
-    w13: torch.Tensor
-    w2: torch.Tensor
-    act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    k: int
-    shared: bool
-    offs: tuple[int, int, int]
-    up: tuple[int, int, int, int]
-    down: tuple[int, int, int, int]
-    silu: bool
-    pdl: bool
-    split: bool  # the shared pair was launched by gemv_start
-    side: torch.cuda.Stream | None  # where it runs, if not on the current stream: finish joins it
-    h: torch.Tensor
-    part: torch.Tensor
-
-    def finish(self, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """The routed pairs (and the shared one unless split), then each token's pairs summed."""
-        if not self.x.shape[0]:
-            return self.x.new_zeros(0, self.w13.shape[2])
-        ids, weights = ids.contiguous(), weights.contiguous()
-        run_shared = self.shared and not self.split
-        self._up(ids, True, run_shared, self.pdl)
-        inter = self.w13.shape[1] // 2
-        a = self.h if self.silu else self.act(self.h[:, :inter], self.h[:, inter:]).contiguous()
-        self._down(a, ids, weights, True, run_shared, self.pdl)
-        if self.side is not None:
-            torch.cuda.current_stream(self.x.device).wait_stream(self.side)
-        # with PDL the sum would depend programmatically on the routed down kernel; after the join it also
-        # waits for the side stream, so it launches plainly
-        return sum_pairs(self.part, self.k + self.shared, self.x.dtype, pdl=self.pdl and self.side is None)
-
-    def _up(self, ids: torch.Tensor, routed: bool, shared: bool, pdl: bool) -> None:
-        x, w13, h = self.x, self.w13, self.h
-        up_n, up_k, up_warps, up_stages = self.up
-        grid = (x.shape[0] * (self.k * routed + shared), triton.cdiv(h.shape[1], up_n))
-        _up_kernel[grid](
-            x, x.stride(0), w13, w13.stride(0), w13.stride(1), ids, self.offs[0], self.offs[1], h, h.stride(0),
-            h.shape[1] // 2, x.shape[1], K_ROUTED=self.k, SHARED=self.shared, RUN_ROUTED=routed, RUN_SHARED=shared,
-            BN=up_n, BK=up_k, PDL=pdl, num_warps=up_warps, num_stages=up_stages,
-        )
-
-    def _down(self, a: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, routed: bool, shared: bool,
-              pdl: bool) -> None:
-        w2, part = self.w2, self.part
-        block_n, block_k, num_warps, num_stages = self.down
-        d, inter = w2.shape[1], w2.shape[2]
-        _down_kernel[(self.x.shape[0] * (self.k * routed + shared), triton.cdiv(d, block_n))](
-            a, a.stride(0), w2, w2.stride(0), w2.stride(1), ids, weights, self.offs[2], part, part.stride(0), d,
-            inter, inter * w2.element_size(), K_ROUTED=self.k, SHARED=self.shared, RUN_ROUTED=routed,
-            RUN_SHARED=shared, SILU_GLU=self.silu, BN=block_n, BK=block_k, PDL=pdl, num_warps=num_warps,
-            num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
-        )
-
-    def _shared_pair(self) -> None:
-        # plain launches (no PDL): on the side stream the kernel before each is not one it depends on
-        # programmatically. The router has not run: h and part stand in for the ids and weights, unread
-        self._up(self.h, False, True, False)
-        self._down(self.h, self.h, self.part, False, True, False)
-
-
-def gemv_start(
-    x: torch.Tensor, k: int, w13: torch.Tensor, w2: torch.Tensor,
-    act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], shared=None,
-    up: tuple[int, int, int, int] | None = None, down: tuple[int, int, int, int] | None = None,
-    pdl: bool | None = None, split: bool | None = None,
-) -> GemvRun:
-    """`experts_forward_gemv` before the router has run, for k experts a token: the buffers (on the current
-    stream) and, if `split`, the shared expert's pair, so that `finish(ids, weights)` launches only the
-    routed pairs. `split` defaults to on for a SiLU-GLU shared pair of up to SIDE_STREAM_MAX_TOKENS tokens
-    on CUDA; while a stream is being captured the shared pair runs on a side stream concurrently with the
-    router, otherwise on the current stream. The sums are bit-identical either way."""
-    t = x.shape[0]
+    before each, where the activation is read inside the down kernel (SiLU-GLU)."""
+    t, k = ids.shape
     # the best of a sweep on an H200 (48B shape with the shared expert, CUDA-graph replay): up 2.98 TB/s at
     # 1 token and 4.02 at 8; down 2.90 TB/s at 1 token, 3.60 at 8 with the smaller tile
     up = up or (32, 128, 8, 4)
     down = down or ((32, 256, 8, 3) if t * k <= 16 else (16, 128, 4, 4))
     inter, d = w13.shape[1] // 2, w13.shape[2]
+    if t == 0:
+        return x.new_zeros(0, d)
     assert w13.stride(-1) == 1 and w2.stride(-1) == 1 and x.stride(-1) == 1
-    up_n = up[0]
+    pairs = k + (shared is not None)
+    up_n, up_k, up_warps, up_stages = up
     while shared is not None and inter % up_n:  # a shared row block must be all gate or all up rows
         up_n //= 2
+    ids, weights = ids.contiguous(), weights.contiguous()
     offs = (0, 0, 0)
     if shared is not None:
         offs = (_offset(shared.gate_proj.weight, w13), _offset(shared.up_proj.weight, w13),
                 _offset(shared.down_proj.weight, w2))
+    h = torch.empty(t * pairs, 2 * inter, dtype=x.dtype, device=x.device)
     silu = getattr(act, "kind", None) == "silu"
     # PDL measured 1.03x at 1 token and 0.93x at 8 (48B shape, H200 graph replays, 2026-11-30)
     pdl = t * k <= 16 and _pdl_ok(x, w2, shared) if pdl is None else pdl
     pdl = pdl and silu and x.is_cuda  # PTX only: the CPU interpreter never sees it
-    if split is None:
-        # eager steps split too (on one stream), so the kernels a capture replays are built before it:
-        # Triton cannot load a module while a stream is being captured
-        split = shared is not None and silu and x.is_cuda and 0 < t <= SIDE_STREAM_MAX_TOKENS
-    split = split and shared is not None and t > 0
-    assert not split or silu, "the split launches fuse the activation into the down kernel"
-    pairs = k + (shared is not None)
-    capturing = split and x.is_cuda and torch.cuda.is_current_stream_capturing()
-    run = GemvRun(
-        x, w13, w2, act, k, shared is not None, offs, (up_n, *up[1:]), down, silu, pdl, split,
-        _side_stream(x.device) if capturing else None,
-        torch.empty(t * pairs, 2 * inter, dtype=x.dtype, device=x.device),
-        torch.empty(t * pairs, d, dtype=torch.float32, device=x.device),
+    _up_kernel[(t * pairs, triton.cdiv(2 * inter, up_n))](
+        x, x.stride(0), w13, w13.stride(0), w13.stride(1), ids, offs[0], offs[1], h, h.stride(0), inter, d,
+        K_ROUTED=k, SHARED=shared is not None, BN=up_n, BK=up_k, PDL=pdl, num_warps=up_warps, num_stages=up_stages,
     )
-    if run.side is not None:  # h and part were allocated on this stream, which the side stream joins back
-        run.side.wait_stream(torch.cuda.current_stream(x.device))
-        with torch.cuda.stream(run.side):
-            run._shared_pair()
-    elif split:
-        run._shared_pair()
-    return run
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    if device not in _side_streams:
-        _side_streams[device] = torch.cuda.Stream(device)
-    return _side_streams[device]
+    a = h if silu else act(h[:, :inter], h[:, inter:]).contiguous()
+    part = torch.empty(t * pairs, d, dtype=torch.float32, device=x.device)
+    block_n, block_k, num_warps, num_stages = down
+    _down_kernel[(t * pairs, triton.cdiv(d, block_n))](
+        a, a.stride(0), w2, w2.stride(0), w2.stride(1), ids, weights, offs[2], part, part.stride(0), d, inter,
+        inter * w2.element_size(), K_ROUTED=k, SHARED=shared is not None, SILU_GLU=silu, BN=block_n, BK=block_k, PDL=pdl, num_warps=num_warps,
+        num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
+    )
+    return sum_pairs(part, pairs, x.dtype, pdl=pdl)
 
 
 def _pdl_ok(x: torch.Tensor, w2: torch.Tensor, shared) -> bool:

@@ -13,7 +13,7 @@ from hyserve.models.layers.norm import RMSNorm
 from hyserve.ops import moe as moe_ops
 from hyserve.ops.dense_gemv import gemv
 from hyserve.ops.dispatch import fast_path, no_grad_fast_path
-from hyserve.ops.moe_gemv import gemv_start, shared_fits
+from hyserve.ops.moe_gemv import experts_forward_gemv, shared_fits
 from hyserve.ops.moe_grouped import experts_forward_grouped, grouped_mm_available
 from hyserve.ops.moe_triton import experts_forward_triton
 
@@ -99,17 +99,25 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, experts_fn=None) -> torch.Tensor:
         """`experts_fn(x, ids, weights, w13, w2, act)` overrides the routed-expert kernel (training uses a
         dense, differentiable one); by default the fastest available kernel is picked."""
+        ids, w = self.gate(x)
         xe = self.routed_expert_down_proj(x) if self.latent else x
         shared = self.shared_experts
-        if experts_fn is None and fast_path(xe) and x.shape[0] * self.gate.top_k <= 64:
-            # decode: read only the selected experts' rows; the shared expert rides in the same launches when
-            # it has the routed experts' shape, started before the router (in a captured graph, on a side
-            # stream while the router runs)
+        if experts_fn is not None:
+            y = experts_fn(xe, ids, w, self.w13, self.w2, self.act)
+        elif fast_path(xe) and ids.numel() <= 64:  # decode: read only the selected experts' rows
+            # the shared expert rides in the same two launches when it has the routed experts' shape
             fused = shared if shared is not None and not self.latent and shared_fits(shared, self.w13, self.w2) else None
-            y = gemv_start(xe, self.gate.top_k, self.w13, self.w2, self.act, shared=fused).finish(*self.gate(x))
+            y = experts_forward_gemv(xe, ids, w, self.w13, self.w2, self.act, shared=fused)
             shared = None if fused is not None else shared
+        elif no_grad_fast_path(xe, self.w13, self.w2) and xe.dtype != torch.float32:
+            # faster than torch._grouped_mm on an H200 at every size measured: 1.5x at 64-256 tokens, where
+            # it streams the touched experts at about copy speed, and 1.6x at 8K (docs/BENCHMARKS.md); also
+            # fp16, or a GPU before sm90 (fp32 keeps the exact loop; training keeps autograd)
+            y = experts_forward_triton(xe, ids, w, self.w13, self.w2, self.act)
+        elif fast_path(xe) and grouped_mm_available(xe, self.w13):
+            y = experts_forward_grouped(xe, ids, w, self.w13, self.w2, self.act)
         else:
-            y = self._routed(x, xe, experts_fn)
+            y = moe_ops.experts_forward(xe, ids, w, self.w13, self.w2, self.act)
         if self.latent:
             if self.routed_expert_norm is not None:
                 y = self.routed_expert_norm(y)
@@ -117,16 +125,3 @@ class MoE(nn.Module):
         if shared is not None:
             y = y + shared(x)
         return y
-
-    def _routed(self, x: torch.Tensor, xe: torch.Tensor, experts_fn) -> torch.Tensor:
-        ids, w = self.gate(x)
-        if experts_fn is not None:
-            return experts_fn(xe, ids, w, self.w13, self.w2, self.act)
-        if no_grad_fast_path(xe, self.w13, self.w2) and xe.dtype != torch.float32:
-            # faster than torch._grouped_mm on an H200 at every size measured: 1.5x at 64-256 tokens, where
-            # it streams the touched experts at about copy speed, and 1.6x at 8K (docs/BENCHMARKS.md); also
-            # fp16, or a GPU before sm90 (fp32 keeps the exact loop; training keeps autograd)
-            return experts_forward_triton(xe, ids, w, self.w13, self.w2, self.act)
-        if fast_path(xe) and grouped_mm_available(xe, self.w13):
-            return experts_forward_grouped(xe, ids, w, self.w13, self.w2, self.act)
-        return moe_ops.experts_forward(xe, ids, w, self.w13, self.w2, self.act)
