@@ -131,6 +131,7 @@ def kda_multi_rows(ceil, gen) -> list[str]:
 # prefetched into L2 ahead; pdl = the combine kernel launched early. block_n 32 "rows" programs take ~110 KB of shared memory (at 3
 # stages), so two fit per SM: their plan asks for twice the programs.
 MLA_SWEEP = [
+    ("heads bn64 w4 s3 pf2", dict(layout="heads", block_n=64, num_warps=4, num_stages=3, prefetch=2), 1, 1),
     ("heads bn64 w8 s3 pf2", dict(layout="heads", block_n=64, num_warps=8, num_stages=3, prefetch=2), 1, 1),
     ("rows bn64 w4 s2 pf2", dict(layout="rows", block_n=64, num_warps=4, num_stages=2, prefetch=2), 1, 1),
     ("rows bn64 w4 s2 pf0", dict(layout="rows", block_n=64, num_warps=4, num_stages=2, prefetch=0), 1, 1),
@@ -148,7 +149,6 @@ MLA_SWEEP = [
     # copy overlaps the products as at w8; heads64: 64 padded heads, both products wgmma, but Triton puts
     # all 8 warps on M for a chained dot, so both warpgroups compute the whole score and read q once per
     # N block (~500 KB); bf16p: bf16 split partials (batch 1: 8.4 MB -> 4.2 MB written and read back)
-    ("heads bn64 w4 s3 pf2", dict(layout="heads", block_n=64, num_warps=4, num_stages=3, prefetch=2), 1, 1),
     ("heads bn64 w4 s3 pf4", dict(layout="heads", block_n=64, num_warps=4, num_stages=3, prefetch=4), 1, 1),
     ("heads bn64 w8 s3 pf2 bf16p", dict(layout="heads", block_n=64, num_warps=8, num_stages=3, prefetch=2,
                                         partial_dtype=torch.bfloat16), 1, 1),
