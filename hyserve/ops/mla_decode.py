@@ -276,7 +276,7 @@ def mla_decode_latent(
     block_tables [N, B]; context_lens [N] on the device; max_context bounds them on the host (a CUDA
     graph passes max_model_len) and sets the number of splits, over which each sequence spreads its own
     context. Knobs (defaults: the best of the sweep on an H200 at batch 1 and 8 x 32K and 64 x 8K, heads
-    bn64 w8 s3 pf2, 1.1-1.2x the rows layout's best; benchmarks/gpu_kernels.py --only mla sweeps them): block_n rows per tile (a power of two >= 16; 64 is the most a
+    bn64 w4 s3 pf2, 1.2x the rows layout's best; benchmarks/gpu_kernels.py --only mla sweeps them): block_n rows per tile (a power of two >= 16; 64 is the most a
     "rows" program fits in shared memory at 2 stages), num_warps, num_stages, layout "rows"
     (wgmma-shaped products) or "heads" or "heads64" (heads padded to a block of 64 with zero queries: both
     products are wgmma with M = 64), prefetch = tiles pulled into L2 ahead (CUDA only; 0 = off),
