@@ -161,11 +161,10 @@ class DecodeGraphs:
         dev_views = self._views[size]
         if packed:
             self._fill_tables(host.tables, block_tables)  # full width: -1 also past the widest row
-            region.copy_(staging, non_blocking=True)
-        else:
+        region.copy_(staging, non_blocking=True)
+        if not packed:
             tables = torch.empty((size, width), dtype=torch.long, pin_memory=self._pin)
             self._fill_tables(tables, block_tables)
-            region.copy_(staging, non_blocking=True)
             dev_views.tables[:, :width].copy_(tables, non_blocking=True)
             dev_views.tables[:, width:].fill_(-1)  # what a wider table of an earlier step left behind
         graph = self.graphs.get(size)
