@@ -62,8 +62,8 @@ class SamplingMetadata:
     """Per-step batched sampling settings. Optional tensors are None when no row in the batch uses
     that feature, so the sampler skips the work entirely."""
 
-    temperature: Tensor  # [N] float; 1.0 on greedy rows so dividing by it is harmless
-    is_greedy: Tensor  # [N] bool
+    temperature: Tensor | None  # [N] float; 1.0 on greedy rows so dividing by it is harmless; None if all greedy
+    is_greedy: Tensor | None  # [N] bool; None if all greedy (two host-to-device copies fewer a greedy step)
     all_greedy: bool
     top_k: Tensor | None  # [N] long, 0 = off
     max_top_k: int | None  # largest k when every non-greedy row has one (lets the sampler skip a sort)
@@ -140,10 +140,11 @@ class SamplingMetadata:
 
         sampled_k = [p.top_k for p, g in zip(params, greedy) if not g]
         logprob_counts = [p.logprobs for p in params if p.logprobs is not None]
+        all_greedy = all(greedy)
         return cls(
-            temperature=to_device(temperature, torch.float32, device),
-            is_greedy=to_device(greedy, torch.bool, device),
-            all_greedy=all(greedy),
+            temperature=None if all_greedy else to_device(temperature, torch.float32, device),
+            is_greedy=None if all_greedy else to_device(greedy, torch.bool, device),
+            all_greedy=all_greedy,
             top_k=tensor_if([p.top_k for p in params], 0, torch.long),
             max_top_k=max(sampled_k) if sampled_k and all(sampled_k) else None,
             top_p=tensor_if([p.top_p for p in params], 1.0, torch.float32),
