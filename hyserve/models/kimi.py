@@ -103,8 +103,9 @@ class KimiForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 logits [T, vocab]; into `out` when given (one conversion kernel instead of a cast and a copy)."""
-        logits = linear(hidden, self.lm_head.weight)
-        return logits.float() if out is None else out.copy_(logits)
+        if out is not None:
+            return linear(hidden, self.lm_head.weight, out=out)
+        return linear(hidden, self.lm_head.weight).float()
 
     def make_cache(self, num_blocks: int, block_size: int, num_slots: int, dtype: torch.dtype | None = None) -> CacheTensors:
         cfg, dev = self.config, self.device
