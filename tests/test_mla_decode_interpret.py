@@ -203,3 +203,15 @@ def test_absorbed_decode_wrapper_matches_the_reference(mla):
     ref = mla_absorbed_decode(qn, qr, pages, 1, bt, ctx_t, kvb, R, DV, 0.3)
     got = mla.mla_absorbed_decode_fast(q[..., :DN], q[..., DN:], pages, 1, bt, ctx_t, 70, kvb, R, DV, 0.3)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_latent_output_in_the_model_dtype_is_the_fp32_result_rounded_once(mla, num_splits):
+    """out_dtype: the combine kernel (or the single split's partial) rounds the fp32 result itself, so the
+    W_UV GEMM after it needs no cast kernel. (fp16: the interpreter truncates bf16 casts.)"""
+    pages, bt, qn, qr, kvb, ctx_t = case([45, 9, 70], seed=7, bs=16)
+    q_full, _ = q_full_of(qn, qr, kvb)
+    args = (q_full, pages[:, 1], bt, ctx_t, 70, 0.3, R)
+    want = mla.mla_decode_latent(*args, num_splits=num_splits, block_n=16).half()
+    got = mla.mla_decode_latent(*args, num_splits=num_splits, block_n=16, out_dtype=torch.float16)
+    assert got.dtype == torch.float16 and torch.equal(got, want)

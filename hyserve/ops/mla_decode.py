@@ -271,10 +271,12 @@ def mla_decode_latent(
     max_context: int, scale: float, kv_lora_rank: int, num_splits: int | None = None, block_n: int = 64,
     num_warps: int = 4, num_stages: int = 3, layout: str = "heads", prefetch: int = 2, pdl: bool = False,
     partial_dtype: torch.dtype = torch.float32, q_rope: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Attention of q_full [N, H, R + d_r] over each sequence's cached rows; returns o_lat [N, H, R] fp32.
     With q_rope [N, H, d_r], q_full holds only the R latent values (two views read in place: no
-    concatenation kernel); both in pages' dtype, last dims unit-stride.
+    concatenation kernel); both in pages' dtype, last dims unit-stride. out_dtype: o_lat's (the fp32 result
+    rounded once by the combine kernel).
 
     pages is one layer's view [blocks, block_size, row] (rows dense: stride(1) == row width);
     block_tables [N, B]; context_lens [N] on the device; max_context bounds them on the host (a CUDA
@@ -330,19 +332,20 @@ def mla_decode_latent(
         MAXT=MAX_TILES, PDL=pdl, IEEE=pages.dtype == torch.float32,
         num_warps=num_warps, num_stages=num_stages,
     )
-    return combine_splits(part, lse, pdl=pdl)
+    return combine_splits(part, lse, pdl=pdl, out_dtype=out_dtype)
 
 
-def combine_splits(part: torch.Tensor, lse: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+def combine_splits(part: torch.Tensor, lse: torch.Tensor, pdl: bool = False,
+                   out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Merge split-K partial outputs part [N, S, H, R] (fp32 or bf16) by their log2-sum-exp lse [N, S, H]:
-    [N, H, R] fp32.
+    [N, H, R] in out_dtype (the fp32 result rounded once: for the model-dtype GEMM after it, no cast kernel).
     A split with lse = -inf contributes nothing and its partial is not read. pdl (CUDA): launch as a
     programmatic dependent of the kernel before it on the stream, which may then still be running; the
     combine waits for that kernel's writes before it reads."""
     n, num_splits, h, r = part.shape
     if num_splits == 1:
-        return part[:, 0].float()  # (a view when fp32)
-    out = torch.empty(n, h, r, dtype=torch.float32, device=part.device)
+        return part[:, 0].to(out_dtype)  # (a view when no cast)
+    out = torch.empty(n, h, r, dtype=out_dtype, device=part.device)
     # all splits in one chunk up to 256 (its loads are not pipelined: one chunk = one round trip), and
     # at most 4096 partial values per program (32 registers a thread)
     sc = min(256, triton.next_power_of_2(num_splits))
@@ -367,12 +370,12 @@ def mla_absorbed_decode_fast(
     q_lat = torch.bmm(q_nope.transpose(0, 1), w[:, :dn])  # [H, N, R]
     if q_lat.dtype == q_rope.dtype == pages.dtype and q_rope.stride(-1) == 1:  # the kernel reads both in place
         o_lat = mla_decode_latent(q_lat.transpose(0, 1), pages[:, layer], block_tables, context_lens, max_context,
-                                  scale, kv_lora_rank, q_rope=q_rope)
+                                  scale, kv_lora_rank, q_rope=q_rope, out_dtype=kv_b.dtype)
     else:  # a cast to the cache's dtype (FP8 rows) as one row
         q_full = torch.cat([q_lat.transpose(0, 1), q_rope.to(q_lat.dtype)], -1).to(pages.dtype)
         o_lat = mla_decode_latent(q_full, pages[:, layer], block_tables, context_lens, max_context, scale,
-                                  kv_lora_rank)
-    o = torch.bmm(o_lat.to(kv_b.dtype).transpose(0, 1), w[:, dn:].transpose(1, 2))  # [H, N, d_v]
+                                  kv_lora_rank, out_dtype=kv_b.dtype)
+    o = torch.bmm(o_lat.transpose(0, 1), w[:, dn:].transpose(1, 2))  # [H, N, d_v]
     return o.transpose(0, 1)
 
 
