@@ -48,3 +48,15 @@ def test_silu_glu_gemv_applies_the_glu_to_gate_and_up_halves(split):
     x, w = torch.randn(1, 2 * 200, generator=gen), torch.randn(24, 200, generator=gen)
     expected = F.linear(GLU("silu")(x[:, :200], x[:, 200:]), w)
     torch.testing.assert_close(gemv(x, w, (16, 32, 4, 2, split), silu_glu=True), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("split", [1, 3])
+def test_an_fp32_out_holds_the_products_rounded_to_the_input_dtype(split):
+    """The logits buffer: the GEMV stores fp32 values equal to its fp16 result converted, bit for bit (no
+    conversion kernel after it), split or not. (fp16: the interpreter truncates bf16 casts.)"""
+    gemv = importlib.import_module("hyserve.ops.dense_gemv").gemv
+    gen = torch.Generator().manual_seed(10 + split)
+    x, w = torch.randn(2, 96, generator=gen).half(), torch.randn(40, 96, generator=gen).half()
+    out = torch.full((2, 40), float("nan"))
+    got = gemv(x, w, (16, 32, 4, 2, split), out=out)
+    assert got is out and torch.equal(out, gemv(x, w, (16, 32, 4, 2, split)).float())

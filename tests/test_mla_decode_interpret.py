@@ -111,6 +111,21 @@ def test_rope_under_sixteen_dims_and_odd_head_count(mla, layout):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("layout", ["rows", "heads"])
+def test_rope_values_read_from_their_own_view_equal_the_concatenated_query(mla, layout):
+    """q_rope passed apart (a strided slice of the projection, as the layer has it) and the latent part a
+    transposed view (the absorbing bmm's [H, N, R] output): the same result as one concatenated row, bit
+    for bit."""
+    pages, bt, qn, qr, kvb, ctx_t = case([45, 9, 70], seed=4, bs=16)
+    q_full, _ = q_full_of(qn, qr, kvb)
+    proj = torch.cat([torch.randn(3, H, DN), qr], -1)  # [N, H, d_n + d_r]: the rope values a slice of it
+    lat_hnr = q_full[..., :R].transpose(0, 1).contiguous()  # [H, N, R], the bmm's layout
+    want = mla.mla_decode_latent(q_full, pages[:, 1], bt, ctx_t, 70, 0.3, R, block_n=16, layout=layout)
+    got = mla.mla_decode_latent(lat_hnr.transpose(0, 1), pages[:, 1], bt, ctx_t, 70, 0.3, R, block_n=16,
+                                layout=layout, q_rope=proj[..., DN:])
+    assert torch.equal(got, want)
+
+
 def test_gpu_only_knobs_are_ignored_on_the_cpu(mla):
     """prefetch and pdl are PTX: the wrapper drops them on the CPU and the result does not change;
     num_warps / num_stages only matter to the compiler."""
@@ -178,3 +193,25 @@ def test_split_plan(mla):
         s = plan(n, 1, ctx, 64, 132)
         rows = -(-ctx // s)
         assert -(-rows // 64) <= mla.MAX_TILES
+
+
+def test_absorbed_decode_wrapper_matches_the_reference(mla):
+    """The layer's entry point: q_n and q_r as slices of one projection output, the latent query from the
+    absorbing bmm read in place with the rope values (no concatenation), back through W_UV."""
+    pages, bt, qn, qr, kvb, ctx_t = case([45, 9, 70], seed=6, bs=16)
+    q = torch.cat([qn, qr], -1)  # [N, H, d_n + d_r], as the layer's q projection
+    ref = mla_absorbed_decode(qn, qr, pages, 1, bt, ctx_t, kvb, R, DV, 0.3)
+    got = mla.mla_absorbed_decode_fast(q[..., :DN], q[..., DN:], pages, 1, bt, ctx_t, 70, kvb, R, DV, 0.3)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_latent_output_in_the_model_dtype_is_the_fp32_result_rounded_once(mla, num_splits):
+    """out_dtype: the combine kernel (or the single split's partial) rounds the fp32 result itself, so the
+    W_UV GEMM after it needs no cast kernel. (fp16: the interpreter truncates bf16 casts.)"""
+    pages, bt, qn, qr, kvb, ctx_t = case([45, 9, 70], seed=7, bs=16)
+    q_full, _ = q_full_of(qn, qr, kvb)
+    args = (q_full, pages[:, 1], bt, ctx_t, 70, 0.3, R)
+    want = mla.mla_decode_latent(*args, num_splits=num_splits, block_n=16).half()
+    got = mla.mla_decode_latent(*args, num_splits=num_splits, block_n=16, out_dtype=torch.float16)
+    assert got.dtype == torch.float16 and torch.equal(got, want)

@@ -99,3 +99,30 @@ def test_no_tokens_give_no_rows(gemv):
     got = gemv.experts_forward_gemv(torch.zeros(0, D), torch.zeros(0, K, dtype=torch.long), torch.zeros(0, K),
                                     w13, w2, GLU("silu"), shared=shared, up=(16, 16, 4, 1), down=(16, 16, 4, 1))
     assert got.shape == (0, D)
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_unsummed_moe_output_through_the_residual_norm_equals_the_summed_path(gemv, t, monkeypatch):
+    """MoE.forward(summed=False) on the decode kernels hands back the per-pair partials, and add_rms_norm
+    sums them inside its kernel: the same residual stream and normed output, bit for bit, as the pair-sum
+    kernel followed by the plain residual norm (the decode GPU path, forced on for the interpreter)."""
+    from hyserve.models.config import parse_config
+    from hyserve.models.layers import moe as moe_layer
+    from hyserve.models.layers import norm
+    from hyserve.models.presets import preset_config
+
+    monkeypatch.setattr(moe_layer, "fast_path", lambda x: True)
+    monkeypatch.setattr(norm, "no_grad_fast_path", lambda *a: True)
+    cfg = parse_config(preset_config("kimi-linear-tiny"))
+    gen = torch.Generator().manual_seed(40 + t)
+    layer = moe_layer.MoE(cfg)
+    for p in layer.parameters():
+        p.data = torch.randn(p.shape, generator=gen) * 0.2
+    x = torch.randn(t, cfg.hidden_size, generator=gen)
+    residual, w = torch.randn(t, cfg.hidden_size, generator=gen), 1 + 0.1 * torch.randn(cfg.hidden_size, generator=gen)
+    with torch.no_grad():
+        parts = layer(x, summed=False)
+        assert isinstance(parts, gemv.PairParts) and parts.pairs == cfg.num_experts_per_tok + 1
+        got = norm.add_rms_norm(residual, parts, w, 1e-6)
+        want = norm.add_rms_norm(residual, layer(x), w, 1e-6)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -75,3 +75,24 @@ def test_residual_add_returns_the_rounded_sum_and_its_norm(fast):
 def test_residual_of_another_shape_is_refused(fast):
     with pytest.raises(ValueError, match="residual delta"):
         fast(torch.ones(2, 8), torch.ones(8), 1e-6, residual_delta=torch.ones(3, 8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_pair_partials_give_what_the_pair_sum_then_the_add_give_bit_for_bit(fast, dtype):
+    """A decode MoE's unsummed fp32 per-pair outputs: the kernel sums each row's pairs in order and rounds
+    the sum to the stream's dtype as the pair-sum kernel does, then adds and normalises as with the summed
+    delta (the pair-sum kernel itself is the reference)."""
+    from hyserve.ops.moe_gemv import sum_pairs
+
+    gen = torch.Generator().manual_seed(3)
+    t, pairs, d = 3, 9, 40
+    x, w = (torch.randn(t, d, generator=gen) * 2).to(dtype), torch.randn(d, generator=gen).to(dtype)
+    part = torch.randn(t * pairs, d, generator=gen)
+    want_sum, want = fast(x, w, 1e-6, residual_delta=sum_pairs(part, pairs, dtype))
+    got_sum, got = fast(x, w, 1e-6, residual_delta=part, delta_pairs=pairs)
+    assert torch.equal(got_sum, want_sum) and torch.equal(got, want)
+
+
+def test_pair_partials_of_the_wrong_shape_are_refused(fast):
+    with pytest.raises(ValueError, match="residual delta"):
+        fast(torch.zeros(2, 16), torch.ones(16), 1e-5, residual_delta=torch.zeros(5, 16), delta_pairs=3)

@@ -16,6 +16,7 @@ from hyserve.models.layers.mla import MLAttention
 from hyserve.models.layers.moe import DenseMLP, MoE, glu_of
 from hyserve.models.layers.norm import RMSNorm, add_rms_norm
 from hyserve.ops.dense_gemv import linear
+from hyserve.ops.moe_gemv import PairParts
 
 
 class DecoderLayer(nn.Module):
@@ -42,9 +43,9 @@ class DecoderLayer(nn.Module):
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp_out(self.post_attention_layernorm(x))
 
-    def mlp_out(self, h: torch.Tensor) -> torch.Tensor:
-        """The MLP or MoE on already-normed input."""
-        return self.block_sparse_moe(h) if hasattr(self, "block_sparse_moe") else self.mlp(h)
+    def mlp_out(self, h: torch.Tensor, summed: bool = True) -> torch.Tensor | PairParts:
+        """The MLP or MoE on already-normed input (summed=False: see `MoE.forward`)."""
+        return self.block_sparse_moe(h, summed=summed) if hasattr(self, "block_sparse_moe") else self.mlp(h)
 
 
 class KimiModel(nn.Module):
@@ -66,7 +67,7 @@ class KimiModel(nn.Module):
             for layer, next_norm in zip(self.layers, norms):
                 post = layer.post_attention_layernorm
                 x, h = add_rms_norm(x, layer.self_attn(h, batch, cache), post.weight, post.eps)
-                x, h = add_rms_norm(x, layer.mlp_out(h), next_norm.weight, next_norm.eps)
+                x, h = add_rms_norm(x, layer.mlp_out(h, summed=False), next_norm.weight, next_norm.eps)
             return h
         prefix: torch.Tensor | None = x
         blocks: list[torch.Tensor] = []
@@ -102,8 +103,9 @@ class KimiForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 logits [T, vocab]; into `out` when given (one conversion kernel instead of a cast and a copy)."""
-        logits = linear(hidden, self.lm_head.weight)
-        return logits.float() if out is None else out.copy_(logits)
+        if out is not None:
+            return linear(hidden, self.lm_head.weight, out=out)
+        return linear(hidden, self.lm_head.weight).float()
 
     def make_cache(self, num_blocks: int, block_size: int, num_slots: int, dtype: torch.dtype | None = None) -> CacheTensors:
         cfg, dev = self.config, self.device

@@ -35,6 +35,13 @@ DEFAULT = (16, 256, 4, 4, 1)
 
 
 @triton.jit
+def _rounded(acc, x_ptr, y_ptr):
+    """The fp32 sum rounded to the input's dtype (as F.linear in that dtype leaves it), then stored in y's:
+    an fp32 y (the logits) holds exactly that rounded value, with no conversion kernel after."""
+    return acc.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _dense_gemv_kernel(x_ptr, s_xm, w_ptr, s_wr, y_ptr, s_ym, part_ptr, count_ptr, N, K, T, KS,
                        BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, SILU_GLU: tl.constexpr):
     """Program (row block, split s): rows · x over columns s·KS .. s·KS+KS-1 (with SILU_GLU, x holds
@@ -49,7 +56,7 @@ def _dense_gemv_kernel(x_ptr, s_xm, w_ptr, s_wr, y_ptr, s_ym, part_ptr, count_pt
     for t in range(T):
         acc = _gemv_rows(w_ptr, k0, s_wr, rows, rmask, x_ptr + t * s_xm + k0, kd, K, SILU_GLU, BN, BK)
         if SPLIT == 1:
-            tl.store(y_ptr + t * s_ym + rows, acc.to(y_ptr.dtype.element_ty), mask=rmask)
+            tl.store(y_ptr + t * s_ym + rows, _rounded(acc, x_ptr, y_ptr), mask=rmask)
         else:
             tl.store(part_ptr + (tl.program_id(1) * T + t) * N + rows, acc, mask=rmask)
     if SPLIT > 1:
@@ -61,21 +68,23 @@ def _dense_gemv_kernel(x_ptr, s_xm, w_ptr, s_wr, y_ptr, s_ym, part_ptr, count_pt
                 tot = tl.zeros([BN], tl.float32)
                 for j in tl.static_range(SPLIT):  # ".cg": past L1, which may hold lines older than the partials
                     tot += tl.load(part_ptr + (j * T + t) * N + rows, mask=rmask, other=0.0, cache_modifier=".cg")
-                tl.store(y_ptr + t * s_ym + rows, tot.to(y_ptr.dtype.element_ty), mask=rmask)
+                tl.store(y_ptr + t * s_ym + rows, _rounded(tot, x_ptr, y_ptr), mask=rmask)
             tl.store(count_ptr + rb, 0)  # the next launch on the stream starts after this one ends
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int, int] | None = None,
-         silu_glu: bool = False) -> torch.Tensor:
+         silu_glu: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] @ weight[N, K]ᵀ -> [T, N] in x's dtype, fp32 accumulation. `config` (BLOCK_N, BLOCK_K, warps,
     stages, splits of K): a long input over few output rows fills the SMs only when split. With silu_glu,
     x is [T, 2K] gate | up and the product is with SiLU(gate)·up rounded to x's dtype (the SiLU-GLU of
-    `GLU`), computed as the rows are read."""
+    `GLU`), computed as the rows are read. `out` [T, N] (e.g. fp32, unit-stride rows): written in place
+    with the values rounded to x's dtype, and returned."""
     t, k = x.shape[0], weight.shape[1]
     n = weight.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
     assert weight.stride(-1) == 1 and x.shape[1] == (2 * k if silu_glu else k)
-    y = torch.empty(t, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(t, n, dtype=x.dtype, device=x.device) if out is None else out
+    assert y.shape == (t, n) and y.stride(-1) == 1
     bn, bk, warps, stages, split = config or CONFIGS.get((n, k), DEFAULT)
     ks = triton.cdiv(triton.cdiv(k, split), bk) * bk  # whole column blocks per split
     split = triton.cdiv(k, ks)
@@ -90,10 +99,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int
     return y
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear without bias; a single token on the GPU fast path goes through `gemv` (no autograd) where
-    the weight's shape has a measured config."""
+    the weight's shape has a measured config. `out` (any float dtype): receives the result in x's dtype's
+    values (the logits buffer: the GEMV stores into it directly, one conversion kernel fewer)."""
     if (x.dim() == 2 and x.shape[0] == 1 and tuple(weight.shape) in CONFIGS and x.dtype == weight.dtype
-            and x.dtype in (torch.bfloat16, torch.float16) and no_grad_fast_path(x, weight)):
-        return gemv(x, weight)
-    return F.linear(x, weight)
+            and x.dtype in (torch.bfloat16, torch.float16) and no_grad_fast_path(x, weight)
+            and (out is None or out.stride(-1) == 1)):
+        return gemv(x, weight, out=out)
+    y = F.linear(x, weight)
+    return y if out is None else out.copy_(y)

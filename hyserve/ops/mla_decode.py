@@ -135,14 +135,15 @@ def _tile_rows(pages_ptr, s_pb, bt_row, ids, ti, t, t0, end, BS: tl.constexpr, B
 
 @triton.jit(do_not_specialize=["S"])  # one compiled kernel whatever the split count
 def _mla_split_kernel(
-    q_ptr, s_qn, s_qh, pages_ptr, s_pb, bt_ptr, s_btn, ctx_ptr,
+    q_ptr, s_qn, s_qh, qr_ptr, s_rn, s_rh, pages_ptr, s_pb, bt_ptr, s_btn, ctx_ptr,
     o_ptr, s_on, s_os, s_oh, lse_ptr, s_ln, s_ls,
     H, qk_scale, S,
     BS: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
     ROWS_MAJOR: tl.constexpr, PREFETCH: tl.constexpr, MAXT: tl.constexpr, PDL: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    """Program (n, split, head block): the split's tiles of sequence n, online softmax, one partial."""
+    """Program (n, split, head block): the split's tiles of sequence n, online softmax, one partial. The
+    query's R latent values are read at q_ptr, its d_r rope values at qr_ptr (its own strides)."""
     n = tl.program_id(0)
     sp = tl.program_id(1)
     hb = tl.program_id(2)
@@ -174,15 +175,16 @@ def _mla_split_kernel(
             if t0 + j < t1:
                 prefetch_l2(_tile_base(pages_ptr, s_pb, ids, ti, t0 + j, t0, BS, BN, W), tile_bytes)
     qrow = q_ptr + n * s_qn + heads * s_qh
+    rrow = qr_ptr + n * s_rn + heads * s_rh
     m = tl.full([BH], float("-inf"), tl.float32)
     l_sum = tl.zeros([BH], tl.float32)
     if ROWS_MAJOR:
         qc = tl.load(qrow[None, :] + dr[:, None], mask=hmask[None, :], other=0.0)  # qᵀ: [R, BH]
-        qr = tl.load(qrow[None, :] + R + dq[:, None], mask=hmask[None, :], other=0.0)  # [DR, BH]
+        qr = tl.load(rrow[None, :] + dq[:, None], mask=hmask[None, :], other=0.0)  # [DR, BH]
         acc = tl.zeros([R, BH], tl.float32)
     else:
         qc = tl.load(qrow[:, None] + dr[None, :], mask=hmask[:, None], other=0.0)  # [BH, R]
-        qr = tl.load(qrow[:, None] + R + dq[None, :], mask=hmask[:, None], other=0.0)
+        qr = tl.load(rrow[:, None] + dq[None, :], mask=hmask[:, None], other=0.0)
         acc = tl.zeros([BH, R], tl.float32)
     for t in range(t0, t1):
         if PREFETCH > 0:
@@ -268,9 +270,13 @@ def mla_decode_latent(
     q_full: torch.Tensor, pages: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
     max_context: int, scale: float, kv_lora_rank: int, num_splits: int | None = None, block_n: int = 64,
     num_warps: int = 4, num_stages: int = 3, layout: str = "heads", prefetch: int = 2, pdl: bool = False,
-    partial_dtype: torch.dtype = torch.float32,
+    partial_dtype: torch.dtype = torch.float32, q_rope: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Attention of q_full [N, H, R + d_r] over each sequence's cached rows; returns o_lat [N, H, R] fp32.
+    With q_rope [N, H, d_r], q_full holds only the R latent values (two views read in place: no
+    concatenation kernel); both in pages' dtype, last dims unit-stride. out_dtype: o_lat's (the fp32 result
+    rounded once by the combine kernel).
 
     pages is one layer's view [blocks, block_size, row] (rows dense: stride(1) == row width);
     block_tables [N, B]; context_lens [N] on the device; max_context bounds them on the host (a CUDA
@@ -284,9 +290,13 @@ def mla_decode_latent(
     partial_dtype = the split partials' dtype (fp32, or bf16 to halve their bytes; products, softmax and
     the combine's sums stay fp32).
     """
-    n, h, width = q_full.shape
-    r, dr = kv_lora_rank, width - kv_lora_rank
-    assert q_full.stride(-1) == 1 and pages.stride(-1) == 1 and pages.shape[-1] == width
+    n, h, _ = q_full.shape
+    r = kv_lora_rank
+    if q_rope is None:
+        q_rope = q_full[..., r:]
+    dr, width = q_rope.shape[-1], r + q_rope.shape[-1]
+    assert q_full.shape[-1] in (r, width) and q_rope.shape[:2] == (n, h) and q_rope.dtype == q_full.dtype
+    assert q_full.stride(-1) == 1 and q_rope.stride(-1) == 1 and pages.stride(-1) == 1 and pages.shape[-1] == width
     assert pages.stride(-2) == width, "rows of a page must be dense"
     assert layout in LAYOUTS, layout
     if pages.element_size() == 1:  # FP8 rows: wgmma reads 8-bit operands K-major only (Kᵀ is not), and
@@ -314,7 +324,7 @@ def mla_decode_latent(
     prefetch = prefetch if on_gpu and aligned and block_n <= pages.shape[1] else 0
     pdl = pdl and on_gpu
     _mla_split_kernel[(n, num_splits, hblocks)](
-        q_full, q_full.stride(0), q_full.stride(1), pages, pages.stride(0),
+        q_full, q_full.stride(0), q_full.stride(1), q_rope, q_rope.stride(0), q_rope.stride(1), pages, pages.stride(0),
         block_tables, block_tables.stride(0), context_lens,
         part, *part.stride()[:3], lse, *lse.stride()[:2],
         h, scale * math.log2(math.e), num_splits,
@@ -322,19 +332,20 @@ def mla_decode_latent(
         MAXT=MAX_TILES, PDL=pdl, IEEE=pages.dtype == torch.float32,
         num_warps=num_warps, num_stages=num_stages,
     )
-    return combine_splits(part, lse, pdl=pdl)
+    return combine_splits(part, lse, pdl=pdl, out_dtype=out_dtype)
 
 
-def combine_splits(part: torch.Tensor, lse: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+def combine_splits(part: torch.Tensor, lse: torch.Tensor, pdl: bool = False,
+                   out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Merge split-K partial outputs part [N, S, H, R] (fp32 or bf16) by their log2-sum-exp lse [N, S, H]:
-    [N, H, R] fp32.
+    [N, H, R] in out_dtype (the fp32 result rounded once: for the model-dtype GEMM after it, no cast kernel).
     A split with lse = -inf contributes nothing and its partial is not read. pdl (CUDA): launch as a
     programmatic dependent of the kernel before it on the stream, which may then still be running; the
     combine waits for that kernel's writes before it reads."""
     n, num_splits, h, r = part.shape
     if num_splits == 1:
-        return part[:, 0].float()  # (a view when fp32)
-    out = torch.empty(n, h, r, dtype=torch.float32, device=part.device)
+        return part[:, 0].to(out_dtype)  # (a view when no cast)
+    out = torch.empty(n, h, r, dtype=out_dtype, device=part.device)
     # all splits in one chunk up to 256 (its loads are not pipelined: one chunk = one round trip), and
     # at most 4096 partial values per program (32 registers a thread)
     sc = min(256, triton.next_power_of_2(num_splits))
@@ -357,9 +368,14 @@ def mla_absorbed_decode_fast(
     n, h, dn = q_nope.shape
     w = kv_b.view(h, dn + v_head_dim, kv_lora_rank)
     q_lat = torch.bmm(q_nope.transpose(0, 1), w[:, :dn])  # [H, N, R]
-    q_full = torch.cat([q_lat.transpose(0, 1), q_rope.to(q_lat.dtype)], -1).to(pages.dtype)
-    o_lat = mla_decode_latent(q_full, pages[:, layer], block_tables, context_lens, max_context, scale, kv_lora_rank)
-    o = torch.bmm(o_lat.to(kv_b.dtype).transpose(0, 1), w[:, dn:].transpose(1, 2))  # [H, N, d_v]
+    if q_lat.dtype == q_rope.dtype == pages.dtype and q_rope.stride(-1) == 1:  # the kernel reads both in place
+        o_lat = mla_decode_latent(q_lat.transpose(0, 1), pages[:, layer], block_tables, context_lens, max_context,
+                                  scale, kv_lora_rank, q_rope=q_rope, out_dtype=kv_b.dtype)
+    else:  # a cast to the cache's dtype (FP8 rows) as one row
+        q_full = torch.cat([q_lat.transpose(0, 1), q_rope.to(q_lat.dtype)], -1).to(pages.dtype)
+        o_lat = mla_decode_latent(q_full, pages[:, layer], block_tables, context_lens, max_context, scale,
+                                  kv_lora_rank, out_dtype=kv_b.dtype)
+    o = torch.bmm(o_lat.transpose(0, 1), w[:, dn:].transpose(1, 2))  # [H, N, d_v]
     return o.transpose(0, 1)
 
 

@@ -19,6 +19,7 @@ the up kernel at 1.9 TB/s against 3.1 for one load.)
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -164,17 +165,34 @@ def shared_fits(shared, w13: torch.Tensor, w2: torch.Tensor) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class PairParts:
+    """The down kernel's fp32 per-pair outputs [T·pairs, D], not yet summed: the residual add + RMSNorm
+    kernel that follows a decode MoE sums them itself (ops/rms_norm), one launch fewer. `pdl`: the next
+    kernel may be a programmatic dependent of the down kernel."""
+
+    part: torch.Tensor
+    pairs: int
+    dtype: torch.dtype
+    pdl: bool
+
+    def sum(self) -> torch.Tensor:
+        """[T, D] in `dtype`, as `experts_forward_gemv` returns it."""
+        return sum_pairs(self.part, self.pairs, self.dtype, pdl=self.pdl)
+
+
 def experts_forward_gemv(
     x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], shared=None,
     up: tuple[int, int, int, int] | None = None, down: tuple[int, int, int, int] | None = None,
-    pdl: bool | None = None,
-) -> torch.Tensor:
+    pdl: bool | None = None, summed: bool = True,
+) -> torch.Tensor | PairParts:
     """Same contract as `moe.experts_forward`, plus the shared expert's output when `shared` (a DenseMLP
     that `shared_fits`) is given. Meant for T·k up to a few dozen pairs. `up` and `down` are each
     kernel's (BLOCK_N rows, BLOCK_K, num_warps, num_stages). `pdl` (default: up to 16 pairs on a GPU of
     compute capability 9 or later) launches the down and sum kernels as programmatic dependents of the kernel
-    before each, where the activation is read inside the down kernel (SiLU-GLU)."""
+    before each, where the activation is read inside the down kernel (SiLU-GLU). summed=False returns the
+    unsummed `PairParts` (tokens present) for the kernel after it to sum."""
     t, k = ids.shape
     # the best of a sweep on an H200 (48B shape with the shared expert, CUDA-graph replay): up 2.98 TB/s at
     # 1 token and 4.02 at 8; down 2.90 TB/s at 1 token, 3.60 at 8 with the smaller tile
@@ -210,7 +228,8 @@ def experts_forward_gemv(
         inter * w2.element_size(), K_ROUTED=k, SHARED=shared is not None, SILU_GLU=silu, BN=block_n, BK=block_k, PDL=pdl, num_warps=num_warps,
         num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
     )
-    return sum_pairs(part, pairs, x.dtype, pdl=pdl)
+    parts = PairParts(part, pairs, x.dtype, pdl)
+    return parts if not summed else parts.sum()
 
 
 def _pdl_ok(x: torch.Tensor, w2: torch.Tensor, shared) -> bool:

@@ -134,9 +134,10 @@ def dense_experts(
     return torch.einsum("te,etd->td", gate.to(out.dtype), out).to(x.dtype)
 
 
-def moe_train_forward(layer: MoE, x: torch.Tensor) -> torch.Tensor:
-    """`MoE.forward` with `dense_experts` in place of the sparse expert dispatch."""
-    return MoE.forward(layer, x, experts_fn=dense_experts)  # the class method: `forward` is patched per instance
+def moe_train_forward(layer: MoE, x: torch.Tensor, summed: bool = True) -> torch.Tensor:
+    """`MoE.forward` with `dense_experts` in place of the sparse expert dispatch (always summed: only the
+    decode kernels hand back unsummed pairs)."""
+    return MoE.forward(layer, x, experts_fn=dense_experts, summed=summed)  # the class method: patched per instance
 
 
 def trim_autotuners(module_prefix: str, max_configs: int) -> int:

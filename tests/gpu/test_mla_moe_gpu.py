@@ -286,6 +286,19 @@ def test_single_token_gemv_matches_the_fp32_product(n, k):
     assert rel_err(gemv(x, w), x.float() @ w.float().t()) < 1e-2
 
 
+def test_lm_head_gemv_into_the_fp32_logits_buffer_equals_its_bf16_result_converted():
+    """compute_logits' path at one token: the GEMV stores straight into the fp32 buffer the values its bf16
+    result would hold, bit for bit."""
+    from hyserve.ops.dense_gemv import gemv
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(1, 2304, device="cuda", generator=gen).to(torch.bfloat16)
+    w = (torch.randn(163840, 2304, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    out = torch.full((1, 163840), float("nan"), device="cuda")
+    gemv(x, w, out=out)
+    assert torch.equal(out, gemv(x, w).float())
+
+
 @pytest.mark.parametrize("split", [2, 4])
 def test_split_k_gemv_matches_the_fp32_product_twice(split):
     """The attention output shape split over K: the last split of each row block sums the parts; a second

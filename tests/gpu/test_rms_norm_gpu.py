@@ -41,6 +41,27 @@ def test_fused_residual_add_is_torch_add_and_its_norm(rows):
     assert (got == ref).float().mean() > 0.99
 
 
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+@pytest.mark.parametrize("rows", [1, 4, 7])
+def test_moe_pair_partials_summed_in_the_norm_equal_the_pair_sum_kernel_then_the_norm(rows, pdl):
+    """A decode MoE's fp32 per-pair outputs (9 pairs at the 48B width) summed by the residual norm kernel:
+    bit for bit what the pair-sum kernel followed by the residual norm gives; with PDL launched right after
+    a kernel that writes the partials (the down kernel's place)."""
+    from hyserve.models.layers.norm import add_rms_norm
+    from hyserve.ops.moe_gemv import PairParts
+
+    gen = torch.Generator(device="cuda").manual_seed(10 + rows)
+    x = (torch.randn(rows, 2304, device="cuda", generator=gen) * 3).to(torch.bfloat16)
+    w = (1 + 0.2 * torch.randn(2304, device="cuda", generator=gen)).to(torch.bfloat16)
+    src = torch.randn(rows * 9, 2304, device="cuda", generator=gen)
+    part = torch.empty_like(src)
+    want = add_rms_norm(x, PairParts(src.clone(), 9, torch.bfloat16, False).sum(), w, 1e-6)
+    part.copy_(src * 1.0)  # the kernel before the PDL launch writes the partials
+    got = add_rms_norm(x, PairParts(part, 9, torch.bfloat16, pdl), w, 1e-6)
+    torch.cuda.synchronize()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_the_layer_takes_the_kernel_only_without_autograd():
     x = torch.randn(4, 64, device="cuda", requires_grad=True)
     w = torch.ones(64, device="cuda", requires_grad=True)

@@ -13,7 +13,7 @@ from hyserve.models.layers.norm import RMSNorm
 from hyserve.ops import moe as moe_ops
 from hyserve.ops.dense_gemv import gemv
 from hyserve.ops.dispatch import fast_path, no_grad_fast_path
-from hyserve.ops.moe_gemv import experts_forward_gemv, shared_fits
+from hyserve.ops.moe_gemv import PairParts, experts_forward_gemv, shared_fits
 from hyserve.ops.moe_grouped import experts_forward_grouped, grouped_mm_available
 from hyserve.ops.moe_triton import experts_forward_triton
 
@@ -96,9 +96,11 @@ class MoE(nn.Module):
             DenseMLP(d, inter * cfg.num_shared_experts, self.act) if cfg.num_shared_experts else None
         )
 
-    def forward(self, x: torch.Tensor, experts_fn=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, experts_fn=None, summed: bool = True) -> torch.Tensor | PairParts:
         """`experts_fn(x, ids, weights, w13, w2, act)` overrides the routed-expert kernel (training uses a
-        dense, differentiable one); by default the fastest available kernel is picked."""
+        dense, differentiable one); by default the fastest available kernel is picked. summed=False lets
+        the decode kernels return their unsummed `PairParts` where nothing follows them in the layer (for
+        `add_rms_norm` to sum)."""
         ids, w = self.gate(x)
         xe = self.routed_expert_down_proj(x) if self.latent else x
         shared = self.shared_experts
@@ -107,8 +109,11 @@ class MoE(nn.Module):
         elif fast_path(xe) and ids.numel() <= 64:  # decode: read only the selected experts' rows
             # the shared expert rides in the same two launches when it has the routed experts' shape
             fused = shared if shared is not None and not self.latent and shared_fits(shared, self.w13, self.w2) else None
-            y = experts_forward_gemv(xe, ids, w, self.w13, self.w2, self.act, shared=fused)
             shared = None if fused is not None else shared
+            last = shared is None and not self.latent
+            y = experts_forward_gemv(xe, ids, w, self.w13, self.w2, self.act, shared=fused, summed=summed or not last)
+            if isinstance(y, PairParts):
+                return y
         elif no_grad_fast_path(xe, self.w13, self.w2) and xe.dtype != torch.float32:
             # faster than torch._grouped_mm on an H200 at every size measured: 1.5x at 64-256 tokens, where
             # it streams the touched experts at about copy speed, and 1.6x at 8K (docs/BENCHMARKS.md); also

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from hyserve.ops.dispatch import no_grad_fast_path
+from hyserve.ops.moe_gemv import PairParts
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -23,9 +24,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def add_rms_norm(
-    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+    x: torch.Tensor, delta: torch.Tensor | PairParts, weight: torch.Tensor, eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + delta, rms_norm(x + delta)): a residual add and the next pre-norm, one kernel on the GPU."""
+    """(x + delta, rms_norm(x + delta)): a residual add and the next pre-norm, one kernel on the GPU. A
+    decode MoE's unsummed `PairParts` are summed in that kernel too."""
+    if isinstance(delta, PairParts):
+        if no_grad_fast_path(x, weight) and delta.dtype == x.dtype and x.dim() == 2:
+            from hyserve.ops.rms_norm import rms_norm_fast
+
+            return rms_norm_fast(x, weight, eps, delta.part, delta.pairs, delta.pdl)
+        delta = delta.sum()
     if no_grad_fast_path(x, weight) and delta.dtype == x.dtype and not delta.requires_grad:
         from hyserve.ops.rms_norm import rms_norm_fast
 
