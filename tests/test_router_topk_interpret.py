@@ -47,6 +47,18 @@ def test_equal_scores_go_to_the_lower_expert_id(fast):
     torch.testing.assert_close(wts, ref_w, rtol=1e-6, atol=1e-7)
 
 
+def test_negative_and_zero_keys_keep_the_float_order(fast):
+    """A bias below -1 makes some keys negative and some exactly zero (logit 0, bias -0.5): the selection
+    still ranks them as floats, ties to the lower id."""
+    logits = torch.tensor([[0.0, 3.0, -1.0, 0.0, -4.0, 2.0, 0.0, -0.5]])
+    bias = torch.tensor([-0.5, -2.0, 0.1, -0.5, 0.3, -1.5, -0.5, -0.7])
+    eye = torch.eye(8)
+    ids, wts = fast(logits, bias, 7, True, 1.0)  # two negative keys among the seven
+    ref_ids, ref_w = reference(logits, eye, bias, 7, True, 1.0)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(wts, ref_w, rtol=1e-6, atol=1e-7)
+
+
 def test_one_expert_without_renormalising_over_an_odd_count(fast):
     gen = torch.Generator().manual_seed(2)
     x, w = torch.randn(3, 8, generator=gen), torch.randn(6, 8, generator=gen)

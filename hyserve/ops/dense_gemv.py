@@ -17,8 +17,9 @@ import triton
 import triton.language as tl
 
 from hyserve.ops.arrival import arrival_counters
-from hyserve.ops.dispatch import no_grad_fast_path
+from hyserve.ops.dispatch import no_grad_fast_path, sm90
 from hyserve.ops.moe_gemv import _gemv_rows
+from hyserve.ops.ptx import prefetch_l2
 
 # (BLOCK_N rows, BLOCK_K, num_warps, num_stages, K splits) by weight shape (out, in), for the shapes where a
 # sweep on an H200 (benchmarks/gpu_kernels.py --only gemv) beat cuBLAS; `linear` keeps cuBLAS for the rest
@@ -32,6 +33,11 @@ CONFIGS: dict[tuple[int, int], tuple[int, int, int, int, int]] = {
     (2304, 9216): (16, 256, 8, 3, 4),
 }
 DEFAULT = (16, 256, 4, 4, 1)
+# programmatic dependent launch on sm_90+ (off: plain launches, to compare against)
+PDL = True
+# with PDL, a weight up to this size is asked into L2 while the kernel before runs (the 48B attention
+# output, 18.9 MB, fits the H200's 50 MB L2; the lm_head does not)
+PREFETCH_MAX_BYTES = 32 << 20
 
 
 @triton.jit
@@ -43,16 +49,27 @@ def _rounded(acc, x_ptr, y_ptr):
 
 @triton.jit
 def _dense_gemv_kernel(x_ptr, s_xm, w_ptr, s_wr, y_ptr, s_ym, part_ptr, count_ptr, N, K, T, KS,
-                       BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, SILU_GLU: tl.constexpr):
+                       BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, SILU_GLU: tl.constexpr,
+                       PDL: tl.constexpr, PREFETCH: tl.constexpr):
     """Program (row block, split s): rows · x over columns s·KS .. s·KS+KS-1 (with SILU_GLU, x holds
     gate | up, K each, and the product takes SiLU(gate)·up). With SPLIT > 1 each split stores its fp32
     partial and the last of a row block's splits to arrive (ops/arrival.py) sums them in split order (the
-    same order whichever arrives last) and stores y."""
+    same order whichever arrives last) and stores y. PDL: launched while the kernel before it runs (which
+    makes x); the weight is no kernel's output, so with PREFETCH the program asks its rows into L2
+    first, and every read of x, partials or counters and every store comes after the wait."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     rb = tl.program_id(0)
     rows = rb * BN + tl.arange(0, BN)
     rmask = rows < N
     k0 = tl.program_id(1) * KS
     kd = tl.minimum(KS, K - k0)
+    if PDL:
+        if PREFETCH:
+            nbytes = kd * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
+            for i in tl.static_range(BN):
+                prefetch_l2(w_ptr + tl.minimum(rb * BN + i, N - 1).to(tl.int64) * s_wr + k0, nbytes)
+        tl.extra.cuda.gdc_wait()
     for t in range(T):
         acc = _gemv_rows(w_ptr, k0, s_wr, rows, rmask, x_ptr + t * s_xm + k0, kd, K, SILU_GLU, BN, BK)
         if SPLIT == 1:
@@ -73,12 +90,13 @@ def _dense_gemv_kernel(x_ptr, s_xm, w_ptr, s_wr, y_ptr, s_ym, part_ptr, count_pt
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int, int] | None = None,
-         silu_glu: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+         silu_glu: bool = False, out: torch.Tensor | None = None, pdl: bool | None = None) -> torch.Tensor:
     """x [T, K] @ weight[N, K]ᵀ -> [T, N] in x's dtype, fp32 accumulation. `config` (BLOCK_N, BLOCK_K, warps,
     stages, splits of K): a long input over few output rows fills the SMs only when split. With silu_glu,
     x is [T, 2K] gate | up and the product is with SiLU(gate)·up rounded to x's dtype (the SiLU-GLU of
     `GLU`), computed as the rows are read. `out` [T, N] (e.g. fp32, unit-stride rows): written in place
-    with the values rounded to x's dtype, and returned."""
+    with the values rounded to x's dtype, and returned. pdl (default: `PDL` on a GPU of compute
+    capability 9+): launched as a programmatic dependent of the kernel before it."""
     t, k = x.shape[0], weight.shape[1]
     n = weight.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -91,10 +109,16 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int
     blocks = triton.cdiv(n, bn)
     part = torch.empty(split * t, n, dtype=torch.float32, device=x.device) if split > 1 else y
     count = arrival_counters(x.device, blocks) if split > 1 else y
+    pdl = (PDL and sm90(x)) if pdl is None else pdl and x.is_cuda  # PTX: never the interpreter
+    es = weight.element_size()
+    # the bulk prefetch takes 16-byte aligned spans of whole 16 bytes
+    prefetch = (pdl and weight.numel() * es <= PREFETCH_MAX_BYTES and weight.data_ptr() % 16 == 0
+                and (weight.stride(0) * es) % 16 == 0 and (ks * es) % 16 == 0 and (k * es) % 16 == 0)
     if t:
         _dense_gemv_kernel[(blocks, split)](
             x, x.stride(0), weight, weight.stride(0), y, y.stride(0), part, count, n, k, t, ks, BN=bn, BK=bk,
-            SPLIT=split, SILU_GLU=silu_glu, num_warps=warps, num_stages=stages,
+            SPLIT=split, SILU_GLU=silu_glu, PDL=pdl, PREFETCH=prefetch, num_warps=warps, num_stages=stages,
+            **({"launch_pdl": True} if pdl else {}),
         )
     return y
 

@@ -171,6 +171,8 @@ def _kda_state_kernel(
     rows, slots and fresh flags are loaded first (the prep kernel writes none of them, and every kernel
     before it on the stream has finished), then the wait for the prep grid's stores; every read of
     qkvg/beta/arrival counters and every store of this kernel comes after the wait."""
+    if PDL:  # the output projection may launch now: it waits for this grid before it reads the output
+        tl.extra.cuda.gdc_launch_dependents()
     n = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)

@@ -19,17 +19,25 @@ import torch
 import triton
 import triton.language as tl
 
+from hyserve.ops.dispatch import sm90
+
+# programmatic dependent launch on sm_90+ (off: plain launches, to compare against)
+PDL = True
+
 
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, w_ptr, out_ptr, s_x, s_o, n, eps, d_ptr, sum_ptr, s_d, s_s, BLOCK: tl.constexpr, RESIDUAL: tl.constexpr,
     PAIRS: tl.constexpr, PDL: tl.constexpr,
 ):
-    if PDL:  # launched while the kernel before it (the MoE down kernel) runs: wait for its partials
-        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     m = c < n
+    dt = out_ptr.dtype.element_ty
+    w = tl.load(w_ptr + c, mask=m, other=0.0).to(dt).to(tl.float32)
+    if PDL:  # launched while the kernel before it runs: the weight is loaded, then the wait for x and delta
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     x = tl.load(x_ptr + row * s_x + c, mask=m, other=0.0).to(tl.float32)
     if RESIDUAL:  # x + delta, rounded to the stream's dtype, is both the new stream and the norm's input
         if PAIRS == 1:
@@ -43,9 +51,7 @@ def _rms_norm_kernel(
         tl.store(sum_ptr + row * s_s + c, x, mask=m)
         x = x.to(tl.float32)
     r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps)
-    dt = out_ptr.dtype.element_ty
     y = (x * r).to(dt).to(tl.float32)
-    w = tl.load(w_ptr + c, mask=m, other=0.0).to(dt).to(tl.float32)
     tl.store(out_ptr + row * s_o + c, (w * y).to(dt), mask=m)
 
 
@@ -56,13 +62,13 @@ def _rows(x: torch.Tensor, d: int) -> torch.Tensor:
 
 def rms_norm_fast(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual_delta: torch.Tensor | None = None,
-    delta_pairs: int = 1, pdl: bool = False,
+    delta_pairs: int = 1, pdl: bool | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] (any float dtype, last dim contiguous or made so), weight [D] -> x's shape and dtype.
     With residual_delta (x's shape) returns (x + residual_delta, the norm of that sum) instead.
     delta_pairs > 1: residual_delta is fp32 [T·pairs, D] for x [T, D], each row's delta the sum of its
-    pairs in order, rounded to x's dtype. pdl: launch as a programmatic dependent of the kernel before it
-    (sm_90+, compiled kernels only)."""
+    pairs in order, rounded to x's dtype. pdl (default: `PDL` on a GPU of compute capability 9+): launch
+    as a programmatic dependent of the kernel before it, and let the kernel after it launch early."""
     d = x.shape[-1]
     if weight.shape != (d,):
         raise ValueError(f"RMSNorm weight has shape {tuple(weight.shape)}, the input's last dim is {d}")
@@ -75,6 +81,7 @@ def rms_norm_fast(
         if residual_delta.shape != want or (delta_pairs > 1 and residual_delta.dtype != torch.float32):
             raise ValueError(f"residual delta has shape {tuple(residual_delta.shape)}, the input {tuple(x.shape)}")
         delta, total = _rows(residual_delta, d), torch.empty_like(rows)
+    pdl = (PDL and sm90(x)) if pdl is None else pdl and x.is_cuda  # PTX: never the interpreter
     if rows.shape[0]:
         block = triton.next_power_of_2(d)
         _rms_norm_kernel[(rows.shape[0],)](

@@ -21,30 +21,35 @@ import torch
 import triton
 import triton.language as tl
 
+from hyserve.ops.dispatch import sm90
+
+# programmatic dependent launch for the small-batch router (off: plain launches, to compare against)
+PDL = True
+
 
 @triton.jit
-def _select_one(logit_ptr, bias_ptr, ids_ptr, w_ptr, E, scaling, K: tl.constexpr, KP: tl.constexpr,
-                EP: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr, CACHE: tl.constexpr):
-    """One token's top-k ids and weights from its E logits: k rounds of argmax, ties to the lowest id (the
-    stable sort's order). CACHE ".cg": the logits were written in this launch, so the loads skip L1
-    (not coherent across SMs). (Ranking every expert against all E keys instead, a handful of wide
-    reductions, took 8.7 µs per call in a batch-1 step against about 4 µs for these 3k narrow ones; H200,
-    2026-11-30.)"""
-    e = tl.arange(0, EP)
-    m = e < E
-    logit = tl.load(logit_ptr + e, mask=m, other=0.0, cache_modifier=CACHE)
+def _select_one(logit, e, m, bias_ptr, ids_ptr, w_ptr, scaling, K: tl.constexpr, KP: tl.constexpr,
+                EP: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """One token's top-k ids and weights from its logits [EP] (lanes e, valid where m). Each key packs a
+    choice's order-preserving integer image over (EP-1-e), so one integer max per round finds the highest
+    choice and, among equal ones, the lowest id (the stable sort's order). (Three float reductions per
+    round on 4 warps took about 4 µs per call in a batch-1 step; ranking every expert against all E keys
+    in a few wide reductions took 8.7 µs; H200, 2026-11-30.)"""
     s = 1.0 / (1.0 + tl.exp(-logit))
     choice = s + tl.load(bias_ptr + e, mask=m, other=0.0) if HAS_BIAS else s
-    avail = m
+    choice = tl.where(choice == 0.0, 0.0, choice)  # -0.0 as +0.0: equal floats, equal keys
+    bits = choice.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # as signed ints, in the floats' order
+    key = (ordered.to(tl.int64) << 32) | (EP - 1 - e).to(tl.int64)
+    key = tl.where(m, key, tl.full([EP], -9223372036854775808, tl.int64))
     j = tl.arange(0, KP)
     ids = tl.zeros([KP], tl.int64)
-    ws = tl.zeros([KP], tl.float32)
     for r in tl.static_range(K):
-        top = tl.max(tl.where(avail, choice, float("-inf")), axis=0)
-        best = tl.min(tl.where(avail & (choice == top), e, EP), axis=0)  # ties: the lowest id, explicitly
+        best = EP - 1 - tl.max(key, axis=0).to(tl.int32)  # the low word: EP-1-id
         ids = tl.where(j == r, best.to(tl.int64), ids)
-        ws = tl.where(j == r, tl.sum(tl.where(e == best, s, 0.0), axis=0), ws)
-        avail = avail & (e != best)
+        key = tl.where(e == best, -9223372036854775808, key)
+    ws = tl.sum(tl.where(ids[:, None] == e[None, :], s[None, :], 0.0), axis=1)
+    ws = tl.where(j < K, ws, 0.0)
     if RENORM:
         ws = ws / (tl.sum(ws, axis=0) + 1e-20)
     tl.store(ids_ptr + j, ids, mask=j < K)
@@ -54,34 +59,37 @@ def _select_one(logit_ptr, bias_ptr, ids_ptr, w_ptr, E, scaling, K: tl.constexpr
 @triton.jit
 def _route_kernel(logit_ptr, s_lt, bias_ptr, ids_ptr, s_it, w_ptr, s_wt, T, E, scaling,
                   K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, ND: tl.constexpr,
-                  RENORM: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """Program t selects for token t. ND > 1: its logits are ND partial rows (row j·T + t, stride s_lt),
-    summed in order into row ND·T + t first."""
+                  RENORM: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+    """Program t selects for token t, whose logits are the sum of ND partial rows (row j·T + t, stride
+    s_lt) in order j = 0, 1, ... PDL: launched while the logits kernel runs; the wait comes before the
+    first read of its rows."""
     t = tl.program_id(0).to(tl.int64)
-    row = logit_ptr + t * s_lt
-    if ND > 1:
-        e = tl.arange(0, EP)
-        logit = tl.zeros([EP], tl.float32)
-        for j in tl.static_range(ND):
-            logit += tl.load(logit_ptr + (j * T + t) * s_lt + e)
-        row = logit_ptr + (ND * T + t) * s_lt
-        tl.store(row + e, logit)
-        tl.debug_barrier()  # the row is read back across threads
-    _select_one(row, bias_ptr, ids_ptr + t * s_it, w_ptr + t * s_wt, E, scaling, K, KP, EP, RENORM, HAS_BIAS,
-                ".cg" if ND > 1 else "")
+    e = tl.arange(0, EP)
+    m = e < E
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    logit = tl.zeros([EP], tl.float32)
+    for j in tl.static_range(ND):
+        logit += tl.load(logit_ptr + (j * T + t) * s_lt + e, mask=m, other=0.0)
+    _select_one(logit, e, m, bias_ptr, ids_ptr + t * s_it, w_ptr + t * s_wt, scaling, K, KP, EP, RENORM, HAS_BIAS)
 
 
 @triton.jit
 def _router_logits_kernel(x_ptr, s_xt, rw_ptr, s_re, part_ptr, T, E, D, EP: tl.constexpr, BE: tl.constexpr,
-                          BD: tl.constexpr):
+                          BD: tl.constexpr, PDL: tl.constexpr):
     """Program (b, c): the fp32 partial logits of experts b·BE .. b·BE+BE-1 over columns c·BD .. c·BD+BD-1,
     every token (x widened, as the reference's x.float() @ W.float().T), into row c·T + t; one load of
-    the weight tile per program, no loop."""
+    the weight tile per program, no loop. PDL: launched while the kernel before it (the norm that makes
+    x) runs, the weight tile is loaded before the wait, and the selection kernel may launch at once."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     e = tl.program_id(0) * BE + tl.arange(0, BE)
     c = tl.program_id(1)
     d = c * BD + tl.arange(0, BD)
     em, dm = e < E, d < D
     wv = tl.load(rw_ptr + e[:, None] * s_re + d[None, :], mask=em[:, None] & dm[None, :], other=0.0).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     for t in range(T):
         xv = tl.load(x_ptr + t * s_xt + d, mask=dm, other=0.0).to(tl.float32)
         tl.store(part_ptr + (c * T + t) * EP + e, tl.sum(wv * xv[None, :], axis=1), mask=em)
@@ -107,17 +115,19 @@ def route_topk_fast(
         _route_kernel[(t,)](
             logits, logits.stride(0), b, ids, ids.stride(0), w, w.stride(0), t, e, float(scaling),
             K=top_k, KP=triton.next_power_of_2(top_k), EP=ep, ND=1, RENORM=renormalize and top_k > 1,
-            HAS_BIAS=bias is not None, num_warps=4,
+            HAS_BIAS=bias is not None, PDL=False, num_warps=1,
         )
     return ids, w
 
 
 def router_fused(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool, scaling: float,
-    block_e: int = 8, block_d: int = 256, num_warps: int = 4,
+    block_e: int = 8, block_d: int = 256, num_warps: int = 4, pdl: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, D] (any float dtype), weight [E, D] fp32 -> (ids, weights) as `moe.route(x, weight, ...)`, in two
-    launches: partial logits over a grid of weight tiles, then the selection of each token."""
+    launches: partial logits over a grid of weight tiles, then the selection of each token. pdl (default:
+    `PDL` on a GPU of compute capability 9+): both launch as programmatic dependents of the kernel before
+    them, so the weight loads and the launches overlap it."""
     t, d = x.shape
     e = weight.shape[0]
     if not 1 <= top_k <= e:
@@ -126,15 +136,17 @@ def router_fused(
     ids, w = _outputs(t, top_k, x.device)
     if t:
         ep, nd = triton.next_power_of_2(e), triton.cdiv(d, block_d)
-        part = torch.empty((nd + 1) * t, ep, dtype=torch.float32, device=x.device)  # partials, then logits
+        part = torch.empty(nd * t, ep, dtype=torch.float32, device=x.device)
+        pdl = (PDL and sm90(x)) if pdl is None else pdl and x.is_cuda  # PTX: never the interpreter
+        extra = {"launch_pdl": True} if pdl else {}
+        b = bias.float().contiguous() if bias is not None else part  # before the launches: it may copy
         _router_logits_kernel[(triton.cdiv(e, block_e), nd)](
-            x, x.stride(0), weight, weight.stride(0), part, t, e, d, EP=ep, BE=block_e, BD=block_d,
-            num_warps=num_warps,
+            x, x.stride(0), weight, weight.stride(0), part, t, e, d, EP=ep, BE=block_e, BD=block_d, PDL=pdl,
+            num_warps=num_warps, **extra,
         )
-        b = bias.float().contiguous() if bias is not None else part
         _route_kernel[(t,)](
             part, ep, b, ids, ids.stride(0), w, w.stride(0), t, e, float(scaling), K=top_k,
             KP=triton.next_power_of_2(top_k), EP=ep, ND=nd, RENORM=renormalize and top_k > 1,
-            HAS_BIAS=bias is not None, num_warps=4,
+            HAS_BIAS=bias is not None, PDL=pdl, num_warps=1, **extra,
         )
     return ids, w

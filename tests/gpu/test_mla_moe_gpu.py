@@ -256,6 +256,30 @@ def test_one_launch_router_selects_as_logits_then_selection(tokens):
         torch.testing.assert_close(wts, ref_w, rtol=1e-4, atol=1e-5)
 
 
+def test_router_with_pdl_equals_the_plain_launches_in_a_graph_replay():
+    """The logits and selection kernels as programmatic dependents, right after a kernel that writes x:
+    the same ids and weights, bit for bit, as plain launches."""
+    from hyserve.ops.router_topk import router_fused
+
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    src = torch.randn(1, 2304, device="cuda", generator=gen).to(torch.bfloat16)
+    w = torch.randn(256, 2304, device="cuda", generator=gen) * 0.02
+    bias = torch.randn(256, device="cuda", generator=gen) * 0.01
+    x = torch.empty_like(src)
+    x.copy_(src)
+    plain = router_fused(x, w, bias, 8, True, 2.446, pdl=False)
+    x.zero_()
+    router_fused(x, w, bias, 8, True, 2.446, pdl=True)  # compiled before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.mul(src, 1.0, out=x)  # a kernel (not a copy node) writes x just before the dependent launch
+        got = router_fused(x, w, bias, 8, True, 2.446, pdl=True)
+    x.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
+
+
 def test_cache_write_kernel_stores_the_layers_rows_in_bf16():
     """48B widths (latent 512, rope 64): every element as the torch norm, cat and store give it."""
     from hyserve.models.layers.norm import rms_norm
@@ -313,6 +337,30 @@ def test_split_k_gemv_matches_the_fp32_product_twice(split):
     assert torch.equal(gemv(x, w, (16, 256, 4, 3, split)), first)
 
 
+@pytest.mark.parametrize("n,k", [(2304, 4096), (163840, 2304)], ids=["split, prefetched", "lm_head"])
+def test_gemv_with_pdl_after_the_kernel_that_writes_x_equals_the_plain_launch(n, k):
+    """Launched as a programmatic dependent (the attention output's weight asked into L2 before the wait),
+    right after a kernel that writes x, eagerly and in a graph replay: bit for bit the plain launch."""
+    from hyserve.ops.dense_gemv import gemv
+
+    gen = torch.Generator(device="cuda").manual_seed(n + 1)
+    src = torch.randn(1, k, device="cuda", generator=gen).to(torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    x = src.clone()
+    plain = gemv(x, w, pdl=False)
+    x.zero_()
+    torch.mul(src, 1.0, out=x)
+    assert torch.equal(gemv(x, w, pdl=True), plain)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.mul(src, 1.0, out=x)  # a kernel, not a copy node, right before the dependent launch
+        got = gemv(x, w, pdl=True)
+    x.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, plain)
+
+
 def test_one_token_dense_mlp_matches_the_fp32_mlp():
     """The 48B layer-0 MLP (9216 wide) on one token: gate | up as one GEMM, the SiLU-GLU read by the split
     down GEMV."""
@@ -356,3 +404,4 @@ def test_gemv_experts_with_pdl_equal_the_plain_launches_bit_for_bit(tokens):
         graph.replay()
         torch.cuda.synchronize()
     assert torch.equal(out, plain)
+

@@ -32,7 +32,7 @@ def add_rms_norm(
         if no_grad_fast_path(x, weight) and delta.dtype == x.dtype and x.dim() == 2:
             from hyserve.ops.rms_norm import rms_norm_fast
 
-            return rms_norm_fast(x, weight, eps, delta.part, delta.pairs, delta.pdl)
+            return rms_norm_fast(x, weight, eps, delta.part, delta.pairs)
         delta = delta.sum()
     if no_grad_fast_path(x, weight) and delta.dtype == x.dtype and not delta.requires_grad:
         from hyserve.ops.rms_norm import rms_norm_fast
