@@ -34,10 +34,11 @@ def _rms_norm_kernel(
     c = tl.arange(0, BLOCK)
     m = c < n
     dt = out_ptr.dtype.element_ty
-    w = tl.load(w_ptr + c, mask=m, other=0.0).to(dt).to(tl.float32)
-    if PDL:  # launched while the kernel before it runs: the weight is loaded, then the wait for x and delta
+    if PDL:  # launched while the kernel before it runs: wait for it before any read (the weight too: a
+        # caller may pass one that kernel writes); the kernel after this one may launch now
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
+    w = tl.load(w_ptr + c, mask=m, other=0.0).to(dt).to(tl.float32)
     x = tl.load(x_ptr + row * s_x + c, mask=m, other=0.0).to(tl.float32)
     if RESIDUAL:  # x + delta, rounded to the stream's dtype, is both the new stream and the norm's input
         if PAIRS == 1:

@@ -127,17 +127,20 @@ def router_fused(
     """x [T, D] (any float dtype), weight [E, D] fp32 -> (ids, weights) as `moe.route(x, weight, ...)`, in two
     launches: partial logits over a grid of weight tiles, then the selection of each token. pdl (default:
     `PDL` on a GPU of compute capability 9+): both launch as programmatic dependents of the kernel before
-    them, so the weight loads and the launches overlap it."""
+    them, so the weight loads and the launches overlap it. The logits kernel then reads the weight before
+    its wait: no kernel still running may write the weight (a parameter, as the Router's); a weight that
+    needs a contiguous copy first is launched plainly."""
     t, d = x.shape
     e = weight.shape[0]
     if not 1 <= top_k <= e:
         raise ValueError(f"top_k must be in [1, {e}], got {top_k}")
+    pdl = (PDL and sm90(x)) if pdl is None else pdl and x.is_cuda  # PTX: never the interpreter
+    pdl = pdl and weight.stride(-1) == 1  # a copy made just before would still be in flight at the early read
     x, weight = (y if y.stride(-1) == 1 else y.contiguous() for y in (x, weight))
     ids, w = _outputs(t, top_k, x.device)
     if t:
         ep, nd = triton.next_power_of_2(e), triton.cdiv(d, block_d)
         part = torch.empty(nd * t, ep, dtype=torch.float32, device=x.device)
-        pdl = (PDL and sm90(x)) if pdl is None else pdl and x.is_cuda  # PTX: never the interpreter
         extra = {"launch_pdl": True} if pdl else {}
         b = bias.float().contiguous() if bias is not None else part  # before the launches: it may copy
         _router_logits_kernel[(triton.cdiv(e, block_e), nd)](
