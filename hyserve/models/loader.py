@@ -8,6 +8,7 @@ import logging
 import os
 import re
 from collections import defaultdict
+from collections.abc import Iterable
 
 import torch
 from safetensors import safe_open
@@ -276,8 +277,13 @@ class _Assembler:
 
 
 def load_weights(model: KimiForCausalLM, path: str) -> None:
+    load_tensors(model, iter_checkpoint(path))
+
+
+def load_tensors(model: KimiForCausalLM, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Checkpoint-named tensors (HF names, e.g. a transformers model's `state_dict().items()`) into the
+    model's parameters, as from a checkpoint directory; raises CheckpointError on missing or extra ones."""
     asm = _Assembler(model)
-    tensors = iter_checkpoint(path)
     transform = getattr(model, "transform_checkpoint", None)  # architecture-specific (DeepSeek V3.2 FP8, rope)
     for key, t in transform(tensors) if transform else tensors:
         asm.add(key, t)
