@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     for n in [int(b) for b in args.batches.split(",")]:
         step, cache = decode_step_fn(ours, n, args.context) if dev == "cuda" else (None, None)
         if dev == "cuda":
-            ours_ms = time_ms(graphed(step), 2, 10)
+            ours_ms = time_ms(graphed(lambda step=step: step().argmax(-1)), 2, 10)  # greedy, as transformers
             what = "CUDA graph"
         else:  # the CPU dry run: the same step built by hand, eager
             ours_ms = wall_ms(_cpu_decode_step(ours, n, args.context), dev)
@@ -218,9 +218,9 @@ def main(argv: list[str] | None = None) -> None:
              f"the dense MLP, the rest with the {preset['num_experts']}-expert MoE), full embedding and lm_head, random "
              f"{str(dtype).removeprefix('torch.')} weights drawn once and loaded into both. The last-token "
              f"logits of a 64-token prompt agree to a relative error of {check:.1e}.",
-             "Decode: the median time of one step after each sequence's context (hyserve: the model's step, on "
-             "a GPU replayed from a CUDA graph, sampling excluded; transformers: one forward call with its cache "
-             "and a greedy pick). Prefill: one fresh sequence, last-token logits. transformers "
+             "Decode: the median time of one step after each sequence's context, a greedy pick included "
+             "(hyserve: the model's step, on a GPU replayed from a CUDA graph; transformers: one forward call "
+             "with its cache). Prefill: one fresh sequence, last-token logits. transformers "
              f"{_version('transformers')}, fla-core {_version('fla')} (its kernels when importable)"
              + (f"; fla-core's autotuners kept {args.fla_configs} configs each." if args.fla_configs else ".")]
     if args.no_append or dev != "cuda":
@@ -242,7 +242,7 @@ def _cpu_decode_step(model, n: int, ctx: int):
 
     def step():
         with torch.inference_mode():
-            return model.compute_logits(model(ids, batch, cache))
+            return model.compute_logits(model(ids, batch, cache)).argmax(-1)
 
     return step
 
