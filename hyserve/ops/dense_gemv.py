@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from hyserve.ops.arrival import arrival_counters
-from hyserve.ops.dispatch import no_grad_fast_path, sm90
+from hyserve.ops.dispatch import no_grad_fast_path, use_pdl
 from hyserve.ops.moe_gemv import _gemv_rows
 from hyserve.ops.ptx import prefetch_l2
 
@@ -109,7 +109,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int
     blocks = triton.cdiv(n, bn)
     part = torch.empty(split * t, n, dtype=torch.float32, device=x.device) if split > 1 else y
     count = arrival_counters(x.device, blocks) if split > 1 else y
-    pdl = (PDL and sm90(x)) if pdl is None else pdl and x.is_cuda  # PTX: never the interpreter
+    pdl = use_pdl(x, pdl, PDL)
     es = weight.element_size()
     # the bulk prefetch takes 16-byte aligned spans of whole 16 bytes
     prefetch = (pdl and weight.numel() * es <= PREFETCH_MAX_BYTES and weight.data_ptr() % 16 == 0

@@ -42,6 +42,12 @@ def sm90(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0)
 
 
+def use_pdl(x: torch.Tensor, pdl: bool | None, default: bool = True) -> bool:
+    """Whether to launch as a programmatic dependent: `pdl` if given, else `default` where sm_90+ has it;
+    never off CUDA (griddepcontrol is inline PTX, which the CPU interpreter cannot run)."""
+    return x.is_cuda and (default and sm90(x) if pdl is None else pdl)
+
+
 def pow2_dims(*dims: int) -> bool:
     """Whether every dim is a power of two: the Triton kernels span a head or latent row with one
     tl.arange, which must be. Layers with other widths (small test checkpoints) take the torch path."""

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from hyserve.ops.arrival import arrival_counters
-from hyserve.ops.dispatch import sm90
+from hyserve.ops.dispatch import use_pdl
 
 
 @triton.jit
@@ -272,9 +272,7 @@ def kda_decode_multi(
     bv_default, warps_default = (8, 4) if n * h < 4 * 132 else (8, 2) if n * h < 8192 else (32, 1)
     bv = min(block_v or bv_default, kd)  # never more rows than V: rows past it are another head's
     num_warps = num_warps or warps_default
-    if pdl is None:  # on by default where programmatic dependent launch exists (sm_90+)
-        pdl = sm90(x)
-    pdl = pdl and x.is_cuda  # griddepcontrol is inline PTX: compiled kernels only, never the interpreter
+    pdl = use_pdl(x, pdl)
     qkvg = torch.empty(n * t, h, 4, kd, dtype=torch.float32, device=x.device)
     beta = torch.empty(n * t, h, dtype=torch.float32, device=x.device)
     o_raw = torch.empty(n * t, p, dtype=torch.float32, device=x.device)

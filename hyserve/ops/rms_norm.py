@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hyserve.ops.dispatch import sm90
+from hyserve.ops.dispatch import use_pdl
 
 # programmatic dependent launch on sm_90+ (off: plain launches, to compare against)
 PDL = True
@@ -82,7 +82,7 @@ def rms_norm_fast(
         if residual_delta.shape != want or (delta_pairs > 1 and residual_delta.dtype != torch.float32):
             raise ValueError(f"residual delta has shape {tuple(residual_delta.shape)}, the input {tuple(x.shape)}")
         delta, total = _rows(residual_delta, d), torch.empty_like(rows)
-    pdl = (PDL and sm90(x)) if pdl is None else pdl and x.is_cuda  # PTX: never the interpreter
+    pdl = use_pdl(x, pdl, PDL)
     if rows.shape[0]:
         block = triton.next_power_of_2(d)
         _rms_norm_kernel[(rows.shape[0],)](

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hyserve.ops.dispatch import sm90
+from hyserve.ops.dispatch import use_pdl
 
 # programmatic dependent launch for the small-batch router (off: plain launches, to compare against)
 PDL = True
@@ -134,7 +134,7 @@ def router_fused(
     e = weight.shape[0]
     if not 1 <= top_k <= e:
         raise ValueError(f"top_k must be in [1, {e}], got {top_k}")
-    pdl = (PDL and sm90(x)) if pdl is None else pdl and x.is_cuda  # PTX: never the interpreter
+    pdl = use_pdl(x, pdl, PDL)
     pdl = pdl and weight.stride(-1) == 1  # a copy made just before would still be in flight at the early read
     x, weight = (y if y.stride(-1) == 1 else y.contiguous() for y in (x, weight))
     ids, w = _outputs(t, top_k, x.device)
