@@ -14,14 +14,14 @@ from hyserve.models.batch import Batch
 CONFIGS = [(1, 1024), (8, 1024), (64, 1024), (256, 1024), (1, 32768), (8, 32768)]
 
 
-def decode_step_fn(model, n: int, ctx: int, bs: int = 64):
+def decode_step_fn(model, n: int, ctx: int, bs: int = 64, device: str = "cuda"):
     cfg = model.config
     blocks = (ctx + bs - 1) // bs
     cache = model.make_cache(n * blocks + 1, bs, n + 1)
-    fill_cache_(cache, torch.Generator("cuda").manual_seed(n))
+    fill_cache_(cache, torch.Generator(device).manual_seed(n))
     tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(n)]
-    batch = Batch.build([1] * n, [ctx] * n, tables, bs, list(range(n)), [False] * n, "cuda")
-    ids = torch.randint(0, cfg.vocab_size, (n,), device="cuda")
+    batch = Batch.build([1] * n, [ctx] * n, tables, bs, list(range(n)), [False] * n, device)
+    ids = torch.randint(0, cfg.vocab_size, (n,), device=device)
 
     def step():
         with torch.inference_mode():

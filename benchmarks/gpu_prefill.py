@@ -27,32 +27,36 @@ def prefill_flops(cfg, t: int) -> float:
     return gemm + attn + kda
 
 
+def prefill_step_fn(model, ids: torch.Tensor, bs: int = 64):
+    """One fresh sequence of len(ids) tokens through the model, the last token's logits."""
+    t = ids.shape[0]
+    blocks = (t + bs - 1) // bs
+    cache = model.make_cache(blocks + 1, bs, 2)
+    batch = Batch.build([t], [t], [list(range(blocks))], bs, [0], [True], ids.device.type)
+
+    def step():
+        with torch.inference_mode():
+            return model.compute_logits(model(ids, batch, cache)[-1:])
+
+    return step
+
+
 def main(model=None, ceil=None, lengths=(2048, 8192, 32768), command: str = "python benchmarks/gpu_prefill.py",
          note: str = "") -> None:
     ceil = ceil or ceilings()
     model = model or load_48b()
     cfg = model.config
-    bs = 64
     rows = ["| tokens | ms | tokens/s | TFLOP | achieved | matmul-rate floor | floor/time |",
             "|---|---|---|---|---|---|---|"]
     for t in lengths:
-        blocks = (t + bs - 1) // bs
-        cache = model.make_cache(blocks + 1, bs, 2)
-        batch = Batch.build([t], [t], [list(range(blocks))], bs, [0], [True], "cuda")
-        ids = torch.randint(0, cfg.vocab_size, (t,), device="cuda")
-
-        def step(ids=ids, batch=batch, cache=cache):
-            with torch.inference_mode():
-                h = model(ids, batch, cache)
-                return model.compute_logits(h[-1:])
-
+        step = prefill_step_fn(model, torch.randint(0, cfg.vocab_size, (t,), device="cuda"))
         ms = time_ms(step, 1, 3)
         fl = prefill_flops(cfg, t)
         floor = fl / (ceil["mm_tflops"] * 1e12) * 1e3
         rows.append(f"| {t} | {ms:.1f} | {t / ms * 1e3:.0f} | {fl / 1e12:.1f} | {fl / ms / 1e9:.0f} TFLOP/s | "
                     f"{floor:.1f} ms | {floor / ms:.0%} |")
         print(rows[-1], flush=True)
-        del cache
+        del step  # and with it the cache
         torch.cuda.empty_cache()
     report("Prefill, kimi-linear-48b-a3b (random bf16 weights), one sequence", command,
            rows, [note + f"Ceilings in this run: copy {ceil['copy_tbs']:.2f} TB/s, bf16 matmul {ceil['mm_tflops']:.0f} "

@@ -23,8 +23,8 @@ import time
 import torch
 from gpu_common import report, time_ms
 from gpu_decode import decode_step_fn, graphed
+from gpu_prefill import prefill_step_fn
 
-from hyserve.models.batch import Batch
 from hyserve.models.config import parse_config
 from hyserve.models.loader import build_model, load_tensors
 from hyserve.models.presets import preset_config
@@ -117,20 +117,6 @@ def wall_ms(fn, device: str, warmup: int = 2, iters: int = 8) -> float:
     return statistics.median(times)
 
 
-def prefill_fn(model, t: int, device: str, ids: torch.Tensor):
-    """hyserve: one fresh sequence of t tokens, the last token's logits."""
-    bs = 64
-    blocks = (t + bs - 1) // bs
-    cache = model.make_cache(blocks + 1, bs, 2)
-    batch = Batch.build([t], [t], [list(range(blocks))], bs, [0], [True], device)
-
-    def step():
-        with torch.inference_mode():
-            return model.compute_logits(model(ids, batch, cache)[-1:])
-
-    return step
-
-
 def hf_prefill_fn(hf, ids: torch.Tensor):
     def step():
         with torch.inference_mode():
@@ -186,19 +172,18 @@ def main(argv: list[str] | None = None) -> None:
 
     # the same weights: one prompt's last logits from both
     ids = torch.randint(3, vocab, (64,), device=dev, generator=torch.Generator(dev).manual_seed(0))
-    check = rel_err(prefill_fn(ours, 64, dev, ids)(), hf_prefill_fn(hf, ids)())
+    check = rel_err(prefill_step_fn(ours, ids)(), hf_prefill_fn(hf, ids)())
     print(f"last-token logits, hyserve vs transformers: relative error {check:.2e}", flush=True)
 
     rows = ["| workload | hyserve ms | transformers ms | transformers / hyserve |", "|---|---|---|---|"]
     for n in [int(b) for b in args.batches.split(",")]:
-        step, cache = decode_step_fn(ours, n, args.context) if dev == "cuda" else (None, None)
+        step, cache = decode_step_fn(ours, n, args.context, device=dev)
+        greedy = lambda step=step: step().argmax(-1)  # noqa: E731 - a pick, as transformers' step makes
         if dev == "cuda":
-            ours_ms = time_ms(graphed(lambda step=step: step().argmax(-1)), 2, 10)  # greedy, as transformers
-            what = "CUDA graph"
-        else:  # the CPU dry run: the same step built by hand, eager
-            ours_ms = wall_ms(_cpu_decode_step(ours, n, args.context), dev)
-            what = "eager"
-        del step, cache
+            ours_ms, what = time_ms(graphed(greedy), 2, 10), "CUDA graph"
+        else:  # the CPU dry run
+            ours_ms, what = wall_ms(greedy, dev), "eager"
+        del step, cache, greedy
         theirs = wall_ms(hf_decode_fn(hf, n, args.context, vocab, dev), dev)
         rows.append(f"| decode, batch {n}, context {args.context} (hyserve: {what}) | {ours_ms:.2f} | "
                     f"{theirs:.2f} | {theirs / ours_ms:.1f}x |")
@@ -206,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
         _free(dev)
     for t in [int(x) for x in args.lengths.split(",")]:
         ids = torch.randint(3, vocab, (t,), device=dev, generator=torch.Generator(dev).manual_seed(t))
-        ours_ms = wall_ms(prefill_fn(ours, t, dev, ids), dev, 1, 3)
+        ours_ms = wall_ms(prefill_step_fn(ours, ids), dev, 1, 3)
         _free(dev)
         theirs = wall_ms(hf_prefill_fn(hf, ids), dev, 1, 3)
         rows.append(f"| prefill, {t} tokens, one sequence | {ours_ms:.1f} | {theirs:.1f} | {theirs / ours_ms:.1f}x |")
@@ -229,22 +214,6 @@ def main(argv: list[str] | None = None) -> None:
     report("hyserve against transformers on the same weights, kimi-linear-48b-a3b layer-reduced",
            " ".join(["python benchmarks/hf_compare.py", *(argv if argv is not None else sys.argv[1:])]), rows, notes,
            "hf_compare.md")
-
-
-def _cpu_decode_step(model, n: int, ctx: int):
-    """The CPU dry run's stand-in for gpu_decode.decode_step_fn (which fills the cache on the GPU)."""
-    bs = 64
-    blocks = (ctx + bs - 1) // bs
-    cache = model.make_cache(n * blocks + 1, bs, n + 1)
-    tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(n)]
-    batch = Batch.build([1] * n, [ctx] * n, tables, bs, list(range(n)), [False] * n, "cpu")
-    ids = torch.randint(0, model.config.vocab_size, (n,))
-
-    def step():
-        with torch.inference_mode():
-            return model.compute_logits(model(ids, batch, cache)).argmax(-1)
-
-    return step
 
 
 def _free(dev: str) -> None:
