@@ -159,10 +159,16 @@ MLA_SWEEP = [
     ("heads64 bn64 w8 s2 pf2", dict(layout="heads64", block_n=64, num_warps=8, num_stages=2, prefetch=2), 1, 1),
     ("heads64 bn32 w8 s4 pf2 bf16p", dict(layout="heads64", block_n=32, num_warps=8, num_stages=4, prefetch=2,
                                           partial_dtype=torch.bfloat16), 1, 1),
+    # the Gluon kernel (mla_decode_wgmma): rows as M for both products, one warpgroup, two tile buffers
+    # under its own control (the copies of tile t + 1 issued before tile t's products)
+    ("wgmma bn64 pf0", dict(layout="wgmma", block_n=64, prefetch=0), 1, 1),
+    ("wgmma bn64 pf2", dict(layout="wgmma", block_n=64, prefetch=2), 1, 1),
+    ("wgmma bn64 pf4", dict(layout="wgmma", block_n=64, prefetch=4), 1, 1),
 ]
 MLA_SWEEP_QUICK = [c for c in MLA_SWEEP if c[0] in (
     "heads bn64 w8 s3 pf2", "rows bn64 w4 s2 pf2", "heads bn64 w4 s3 pf2", "heads bn64 w8 s3 pf2 bf16p",
-    "heads bn64 w4 s3 pf2 bf16p", "heads64 bn32 w8 s4 pf2", "heads64 bn64 w8 s2 pf2", "heads64 bn32 w8 s4 pf2 bf16p")]
+    "heads bn64 w4 s3 pf2 bf16p", "heads64 bn32 w8 s4 pf2", "heads64 bn64 w8 s2 pf2", "heads64 bn32 w8 s4 pf2 bf16p",
+    "wgmma bn64 pf0", "wgmma bn64 pf2", "wgmma bn64 pf4")]
 
 
 def time_graph_cold_ms(fn, flush: torch.Tensor, iters: int = 10) -> float:

@@ -215,3 +215,12 @@ def test_latent_output_in_the_model_dtype_is_the_fp32_result_rounded_once(mla, n
     want = mla.mla_decode_latent(*args, num_splits=num_splits, block_n=16).half()
     got = mla.mla_decode_latent(*args, num_splits=num_splits, block_n=16, out_dtype=torch.float16)
     assert got.dtype == torch.float16 and torch.equal(got, want)
+
+
+def test_the_gluon_wgmma_layout_is_refused_with_a_reason_off_hopper(mla):
+    """layout "wgmma" (mla_decode_wgmma, Gluon) has no interpreter form: off a Hopper GPU the call says so
+    instead of running something else; tests/gpu checks the kernel itself."""
+    pages, bt, qn, qr, kvb, ctx_t = case([90, 33], seed=6, bs=64)
+    q_full, _ = q_full_of(qn, qr, kvb)
+    with pytest.raises(ValueError, match="Hopper"):
+        mla.mla_decode_latent(q_full, pages[:, 1], bt, ctx_t, 500, 0.3, R, layout="wgmma")

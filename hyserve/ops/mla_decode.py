@@ -246,7 +246,7 @@ def _mla_combine_kernel(
     tl.store(out_ptr + n * s_outn + h * s_outh + dr, acc.to(out_ptr.dtype.element_ty))
 
 
-LAYOUTS = ("rows", "heads", "heads64")
+LAYOUTS = ("rows", "heads", "heads64", "wgmma")
 
 
 def plan_splits(n: int, hblocks: int, max_context: int, block_n: int, sms: int) -> int:
@@ -285,7 +285,8 @@ def mla_decode_latent(
     bn64 w4 s3 pf2, 1.2x the rows layout's best; benchmarks/gpu_kernels.py --only mla sweeps them): block_n rows per tile (a power of two >= 16; 64 is the most a
     "rows" program fits in shared memory at 2 stages), num_warps, num_stages, layout "rows"
     (wgmma-shaped products) or "heads" or "heads64" (heads padded to a block of 64 with zero queries: both
-    products are wgmma with M = 64), prefetch = tiles pulled into L2 ahead (CUDA only; 0 = off),
+    products are wgmma with M = 64) or "wgmma" (the Gluon kernel of `mla_decode_wgmma`: rows as M, its own
+    double buffering; Hopper, bf16/fp16 rows, block_n 64; num_warps and num_stages do not apply), prefetch = tiles pulled into L2 ahead (CUDA only; 0 = off),
     pdl = launch the combine kernel early (CUDA only), num_splits = None to plan (`plan_splits`),
     partial_dtype = the split partials' dtype (fp32, or bf16 to halve their bytes; products, softmax and
     the combine's sums stay fp32).
@@ -305,6 +306,12 @@ def mla_decode_latent(
     if pages.element_size() == 4:  # fp32 rows (tiny parity presets) use FMA dots: half the tile, and two
         # stages of it (three of 32 fp32 rows would fill shared memory)
         block_n, num_stages = min(block_n, 32), min(num_stages, 2)
+    if layout == "wgmma":
+        from hyserve.ops import mla_decode_wgmma
+
+        why = mla_decode_wgmma.unsupported(q_full, pages, block_n, r, dr)
+        if why:
+            raise ValueError(f"layout 'wgmma': {why}")
     bh = max(16, min(32, triton.next_power_of_2(h)))  # tl.dot needs >= 16 rows
     if layout == "heads64":  # wgmma's M: the heads past h are masked (zero queries, no store)
         layout, bh = "heads", 64
@@ -323,6 +330,10 @@ def mla_decode_latent(
     aligned = pages.data_ptr() % 16 == 0 and pages.stride(0) * pages.element_size() % 16 == 0
     prefetch = prefetch if on_gpu and aligned and block_n <= pages.shape[1] else 0
     pdl = pdl and on_gpu
+    if layout == "wgmma":
+        mla_decode_wgmma.launch_split(q_full, q_rope, pages, block_tables, context_lens, part, lse,
+                                      scale * math.log2(math.e), prefetch, MAX_TILES)
+        return combine_splits(part, lse, pdl=pdl, out_dtype=out_dtype)
     _mla_split_kernel[(n, num_splits, hblocks)](
         q_full, q_full.stride(0), q_full.stride(1), q_rope, q_rope.stride(0), q_rope.stride(1), pages, pages.stride(0),
         block_tables, block_tables.stride(0), context_lens,

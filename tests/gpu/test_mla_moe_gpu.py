@@ -63,7 +63,10 @@ MLA_VARIANTS = [
     {"layout": "heads64", "block_n": 64, "num_stages": 2},
     {"partial_dtype": torch.bfloat16},
     {"layout": "heads64", "block_n": 32, "num_stages": 4, "partial_dtype": torch.bfloat16},
+    {"layout": "wgmma"},
+    {"layout": "wgmma", "prefetch": 0},
 ]
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
 def _latent_reference(qf, pages, bt, ctx, scale):
@@ -85,6 +88,8 @@ def test_mla_decode_latent_variants(kw, ctx, max_context):
     case splits for max_model_len 128K, so most splits see no row."""
     from hyserve.ops.mla_decode import mla_decode_latent
 
+    if kw.get("layout") == "wgmma" and not HOPPER:
+        pytest.skip("the Gluon kernel is wgmma: Hopper only")
     gen = torch.Generator("cuda").manual_seed(len(ctx))
     pages, bt = _pages(ctx, gen)
     qf = torch.randn(len(ctx), H, R + DR, device="cuda", generator=gen).to(torch.bfloat16)
@@ -95,11 +100,37 @@ def test_mla_decode_latent_variants(kw, ctx, max_context):
         assert rel_err(got[i], want) < 1e-2, i
 
 
+@pytest.mark.parametrize("layout", ["heads", "wgmma"])
+@pytest.mark.parametrize("heads", [H, 8])
+def test_mla_decode_gives_rows_past_the_context_no_weight_even_when_they_hold_nan(layout, heads):
+    """A page's rows past the context may hold anything: they must not reach the result, NaN included
+    (a zero weight times NaN is NaN). 8 heads: a head block mostly masked."""
+    from hyserve.ops.mla_decode import mla_decode_latent
+
+    if layout == "wgmma" and not HOPPER:
+        pytest.skip("the Gluon kernel is wgmma: Hopper only")
+    ctx = [1, 65, 200, 4095]
+    gen = torch.Generator("cuda").manual_seed(9)
+    pages, bt = _pages(ctx, gen)
+    for i, c in enumerate(ctx):  # everything after the context in its last page
+        last = bt[i, (c - 1) // BS]
+        pages[last, :, (c - 1) % BS + 1 :] = float("nan")
+    qf = torch.randn(len(ctx), heads, R + DR, device="cuda", generator=gen).to(torch.bfloat16)
+    scale = (DN + DR) ** -0.5
+    got = mla_decode_latent(qf, pages[:, 1], bt, torch.tensor(ctx, device="cuda"), 8192, scale, R, layout=layout)
+    for i, want in enumerate(_latent_reference(qf, pages, bt, ctx, scale)):
+        assert rel_err(got[i], want) < 1e-2, i
+
+
+@pytest.mark.parametrize("layout", ["heads", "wgmma"])
 @pytest.mark.parametrize("pdl", [False, True])
-def test_mla_decode_replays_from_a_cuda_graph(pdl):
+def test_mla_decode_replays_from_a_cuda_graph(pdl, layout):
     """Captured once for max_context 8192 (as the engine captures for max_model_len), replayed after the
     contexts and block tables changed in place: the same result as eager calls."""
     from hyserve.ops.mla_decode import mla_decode_latent
+
+    if layout == "wgmma" and not HOPPER:
+        pytest.skip("the Gluon kernel is wgmma: Hopper only")
 
     gen = torch.Generator("cuda").manual_seed(5)
     pages, bt = _pages([8192, 8192, 8192], gen)
@@ -108,7 +139,7 @@ def test_mla_decode_replays_from_a_cuda_graph(pdl):
     scale = (DN + DR) ** -0.5
 
     def call():
-        return mla_decode_latent(qf, pages[:, 1], bt, ctx_t, 8192, scale, R, pdl=pdl)
+        return mla_decode_latent(qf, pages[:, 1], bt, ctx_t, 8192, scale, R, pdl=pdl, layout=layout)
 
     call()
     side = torch.cuda.Stream()
