@@ -126,11 +126,12 @@ def kda_multi_rows(ceil, gen) -> list[str]:
 
 
 # The MLA decode sweep: (label, mla_decode_latent knobs, split programs planned per SM, splits multiplier).
-# The first entry is the default config (mla_decode_latent's defaults). "rows" = rows as the products' M
+# The first entry is the default config (mla_decode_latent's defaults: layout "auto"). "rows" = rows as the products' M
 # side (wgmma at block_n 64, 4 warps), "heads" = the earlier heads-as-M form (mma.sync); pf = tiles
 # prefetched into L2 ahead; pdl = the combine kernel launched early. block_n 32 "rows" programs take ~110 KB of shared memory (at 3
 # stages), so two fit per SM: their plan asks for twice the programs.
 MLA_SWEEP = [
+    ("default (auto)", dict(block_n=64), 1, 1),
     ("heads bn64 w4 s3 pf2", dict(layout="heads", block_n=64, num_warps=4, num_stages=3, prefetch=2), 1, 1),
     ("heads bn64 w8 s3 pf2", dict(layout="heads", block_n=64, num_warps=8, num_stages=3, prefetch=2), 1, 1),
     ("rows bn64 w4 s2 pf2", dict(layout="rows", block_n=64, num_warps=4, num_stages=2, prefetch=2), 1, 1),
@@ -166,7 +167,7 @@ MLA_SWEEP = [
     ("wgmma bn64 pf4", dict(layout="wgmma", block_n=64, prefetch=4), 1, 1),
 ]
 MLA_SWEEP_QUICK = [c for c in MLA_SWEEP if c[0] in (
-    "heads bn64 w8 s3 pf2", "rows bn64 w4 s2 pf2", "heads bn64 w4 s3 pf2", "heads bn64 w8 s3 pf2 bf16p",
+    "default (auto)", "heads bn64 w8 s3 pf2", "rows bn64 w4 s2 pf2", "heads bn64 w4 s3 pf2", "heads bn64 w8 s3 pf2 bf16p",
     "heads bn64 w4 s3 pf2 bf16p", "heads64 bn32 w8 s4 pf2", "heads64 bn64 w8 s2 pf2", "heads64 bn32 w8 s4 pf2 bf16p",
     "wgmma bn64 pf0", "wgmma bn64 pf2", "wgmma bn64 pf4")]
 

@@ -159,11 +159,15 @@ def _delta_step(m, q, k, v, decay, beta):
     return m, tl.sum(m * q[None, :], axis=1)
 
 
+STATE_STREAM = False  # cache hints on the state's load (evict first) and store (streaming): an ablation
+
+
 @triton.jit
 def _kda_state_kernel(
     qkvg_ptr, beta_ptr, rec_ptr, s_rs, s_rh, s_rv, s_rk, slots_ptr, fresh_ptr, o_ptr, P, H,
     gate_ptr, s_gn, onorm_ptr, out_ptr, s_on, arrivals_ptr, eps,
     T: tl.constexpr, K: tl.constexpr, BV: tl.constexpr, FUSED: tl.constexpr, PDL: tl.constexpr,
+    STREAM: tl.constexpr = False,
 ):
     """Program (n, h, vb): rows vb*BV.. of head h's state over the sequence's T tokens; with FUSED, the
     last of the head's programs to arrive also applies the gated RMSNorm to all T tokens of the head.
@@ -181,7 +185,10 @@ def _kda_state_kernel(
     offs = tl.arange(0, K)
     rows = vb * BV + tl.arange(0, BV)
     sp = rec_ptr + slot * s_rs + h * s_rh + rows[:, None] * s_rv + offs[None, :] * s_rk
-    m = tl.where(fresh, 0.0, tl.load(sp))
+    if STREAM:  # the state is read and written once a step: first out of L2, streaming stores
+        m = tl.where(fresh, 0.0, tl.load(sp, eviction_policy="evict_first"))
+    else:
+        m = tl.where(fresh, 0.0, tl.load(sp))
     if PDL:
         tl.extra.cuda.gdc_wait()
     for t in range(T):
@@ -207,7 +214,7 @@ def _kda_state_kernel(
         tl.debug_barrier()
         arrivals = arrivals_ptr + n * H + h
         before = tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu")
-        tl.store(sp, m)
+        tl.store(sp, m, cache_modifier=".cs" if STREAM else "")
         if before == tl.num_programs(2) - 1:
             # every other program of the head has arrived; its rows are read from L2 (".cg"), as a line
             # of this SM's L1 could predate them
@@ -217,7 +224,7 @@ def _kda_state_kernel(
             # or a graph replay) starts after this one ends: a plain store leaves it zero for that one
             tl.store(arrivals, 0)
     else:
-        tl.store(sp, m)
+        tl.store(sp, m, cache_modifier=".cs" if STREAM else "")
 
 
 @triton.jit
@@ -288,7 +295,8 @@ def kda_decode_multi(
     _kda_state_kernel[(n, h, triton.cdiv(kd, bv))](
         qkvg, beta, rec_pool, *rec_pool.stride(), slots, fresh, o_raw, p, h,
         gate, gate.stride(0), o_norm_weight, out, out.stride(0), arrivals, eps,
-        T=t, K=kd, BV=bv, FUSED=fused_finish, PDL=pdl, num_warps=num_warps, **extra,
+        T=t, K=kd, BV=bv, FUSED=fused_finish, PDL=pdl, STREAM=STATE_STREAM and x.is_cuda, num_warps=num_warps,
+        **extra,
     )
     if not fused_finish:
         _kda_finish_kernel[(n, h)](gate, gate.stride(0), o_norm_weight, o_raw, out, out.stride(0), p, eps, T=t, K=kd,

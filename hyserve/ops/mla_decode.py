@@ -38,6 +38,10 @@ products need ~250 TFLOP/s: tensor cores, with little shared-memory traffic per 
   that fill the machine (`plan_splits`), at most MAX_TILES tiles each. Partials stay fp32
   ([N, S, H, 512]); a split that saw no row writes only its -inf log-sum-exp and the combine reads no
   partial for it. `pdl` launches the combine kernel as a programmatic dependent of the split kernel.
+- On Hopper the default takes the Gluon split kernel of `mla_decode_wgmma` for splits of 8 tiles or
+  more: rows as M of both products, one warpgroup, and the next tile's copies issued before the
+  current tile's products, which Triton's pipeliner would not do (batch 8 x 32K: 100.0 µs, 72% of
+  copy; 64 x 8K: 167.8 µs, 86%). Its partials have this kernel's format and the same combine.
 """
 
 from __future__ import annotations
@@ -246,7 +250,22 @@ def _mla_combine_kernel(
     tl.store(out_ptr + n * s_outn + h * s_outh + dr, acc.to(out_ptr.dtype.element_ty))
 
 
-LAYOUTS = ("rows", "heads", "heads64", "wgmma")
+LAYOUTS = ("auto", "rows", "heads", "heads64", "wgmma")
+# "auto" takes the Gluon kernel where it runs and each split walks at least this many tiles; shorter
+# splits take "heads" (H200, cold L2: batch 8 x 32K, 32 tiles a split: 100.0 µs against 114.8; 64 x 8K,
+# 64 tiles: 167.8 against 210.2; batch 1 x 32K, 4 tiles: 35.0 against 31.9)
+WGMMA_MIN_TILES = 8
+
+
+def _wgmma_unsupported(q_full: torch.Tensor, pages: torch.Tensor, block_n: int, r: int, dr: int) -> str | None:
+    """Why the Gluon kernel (mla_decode_wgmma) cannot run this call; None when it can."""
+    if not q_full.is_cuda:
+        return "needs a Hopper GPU (wgmma)"
+    try:
+        from hyserve.ops import mla_decode_wgmma
+    except ImportError as e:  # Triton without Gluon
+        return f"needs Triton's Gluon ({e})"
+    return mla_decode_wgmma.unsupported(q_full, pages, block_n, r, dr)
 
 
 def plan_splits(n: int, hblocks: int, max_context: int, block_n: int, sms: int) -> int:
@@ -269,7 +288,7 @@ def plan_splits(n: int, hblocks: int, max_context: int, block_n: int, sms: int) 
 def mla_decode_latent(
     q_full: torch.Tensor, pages: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
     max_context: int, scale: float, kv_lora_rank: int, num_splits: int | None = None, block_n: int = 64,
-    num_warps: int = 4, num_stages: int = 3, layout: str = "heads", prefetch: int = 2, pdl: bool = False,
+    num_warps: int = 4, num_stages: int = 3, layout: str = "auto", prefetch: int | None = None, pdl: bool = False,
     partial_dtype: torch.dtype = torch.float32, q_rope: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
@@ -281,13 +300,16 @@ def mla_decode_latent(
     pages is one layer's view [blocks, block_size, row] (rows dense: stride(1) == row width);
     block_tables [N, B]; context_lens [N] on the device; max_context bounds them on the host (a CUDA
     graph passes max_model_len) and sets the number of splits, over which each sequence spreads its own
-    context. Knobs (defaults: the best of the sweep on an H200 at batch 1 and 8 x 32K and 64 x 8K, heads
-    bn64 w4 s3 pf2, 1.2x the rows layout's best; benchmarks/gpu_kernels.py --only mla sweeps them): block_n rows per tile (a power of two >= 16; 64 is the most a
-    "rows" program fits in shared memory at 2 stages), num_warps, num_stages, layout "rows"
-    (wgmma-shaped products) or "heads" or "heads64" (heads padded to a block of 64 with zero queries: both
-    products are wgmma with M = 64) or "wgmma" (the Gluon kernel of `mla_decode_wgmma`: rows as M, its own
-    double buffering; Hopper, bf16/fp16 rows, block_n 64; num_warps and num_stages do not apply), prefetch = tiles pulled into L2 ahead (CUDA only; 0 = off),
-    pdl = launch the combine kernel early (CUDA only), num_splits = None to plan (`plan_splits`),
+    context. Knobs (benchmarks/gpu_kernels.py --only mla sweeps them on cold-L2 graph replays):
+    layout "auto" (the default): "wgmma" where it runs and each split walks at least WGMMA_MIN_TILES
+    tiles, else "heads"; "wgmma" = the Gluon kernel of `mla_decode_wgmma` (rows as M of both products,
+    one warpgroup, its own double buffering; Hopper, bf16/fp16 rows, block_n 64; num_warps and
+    num_stages do not apply to it); "heads" = heads as M (mma.sync); "rows" = rows as M in Triton;
+    "heads64" = heads padded to a block of 64 with zero queries. block_n = rows per tile (a power of two
+    >= 16; 64 is the most a "rows" program fits in shared memory at 2 stages), num_warps, num_stages
+    (Triton layouts: heads bn64 w4 s3 is their best on an H200); prefetch = tiles pulled into L2 ahead
+    (CUDA only; 0 = off; None = 0 for "wgmma", where it measured slower, and 2 for the others); pdl =
+    launch the combine kernel early (CUDA only); num_splits = None to plan (`plan_splits`);
     partial_dtype = the split partials' dtype (fp32, or bf16 to halve their bytes; products, softmax and
     the combine's sums stay fp32).
     """
@@ -306,12 +328,6 @@ def mla_decode_latent(
     if pages.element_size() == 4:  # fp32 rows (tiny parity presets) use FMA dots: half the tile, and two
         # stages of it (three of 32 fp32 rows would fill shared memory)
         block_n, num_stages = min(block_n, 32), min(num_stages, 2)
-    if layout == "wgmma":
-        from hyserve.ops import mla_decode_wgmma
-
-        why = mla_decode_wgmma.unsupported(q_full, pages, block_n, r, dr)
-        if why:
-            raise ValueError(f"layout 'wgmma': {why}")
     bh = max(16, min(32, triton.next_power_of_2(h)))  # tl.dot needs >= 16 rows
     if layout == "heads64":  # wgmma's M: the heads past h are masked (zero queries, no store)
         layout, bh = "heads", 64
@@ -323,6 +339,14 @@ def mla_decode_latent(
     tiles = triton.cdiv(max(max_context, 1), block_n)
     # no split without a tile, none longer than MAX_TILES tiles
     num_splits = max(triton.cdiv(tiles, MAX_TILES), min(num_splits, tiles))
+    if layout in ("auto", "wgmma"):
+        why = _wgmma_unsupported(q_full, pages, block_n, r, dr)
+        if layout == "wgmma" and why:
+            raise ValueError(f"layout 'wgmma': {why}")
+        long_splits = triton.cdiv(tiles, num_splits) >= WGMMA_MIN_TILES
+        layout = "wgmma" if why is None and long_splits else "heads"
+    if prefetch is None:
+        prefetch = 0 if layout == "wgmma" else 2
     assert partial_dtype in (torch.float32, torch.bfloat16), partial_dtype
     part = torch.empty(n, num_splits, h, r, dtype=partial_dtype, device=q_full.device)
     lse = torch.empty(n, num_splits, h, dtype=torch.float32, device=q_full.device)
@@ -331,6 +355,8 @@ def mla_decode_latent(
     prefetch = prefetch if on_gpu and aligned and block_n <= pages.shape[1] else 0
     pdl = pdl and on_gpu
     if layout == "wgmma":
+        from hyserve.ops import mla_decode_wgmma
+
         mla_decode_wgmma.launch_split(q_full, q_rope, pages, block_tables, context_lens, part, lse,
                                       scale * math.log2(math.e), prefetch, MAX_TILES)
         return combine_splits(part, lse, pdl=pdl, out_dtype=out_dtype)
