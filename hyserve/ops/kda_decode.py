@@ -163,6 +163,10 @@ def _delta_step(m, q, k, v, decay, beta):
 # head) pairs, where they measured faster (H200, graph replay, batch 64: 85.6 against 87.0 µs), off from
 # there (batch 256: 344.5 against 333.2 µs); True/False force them (ablations).
 STATE_STREAM: bool | None = None
+# The state kernel's grid with the V blocks of a head as its fastest dimension: programs launched one
+# after another read one head's state rows one after another (contiguous 4 KB pieces of its 64 KB), in
+# place of the same rows of another sequence's state
+GRID_VB_FIRST = True
 
 
 @triton.jit
@@ -170,7 +174,7 @@ def _kda_state_kernel(
     qkvg_ptr, beta_ptr, rec_ptr, s_rs, s_rh, s_rv, s_rk, slots_ptr, fresh_ptr, o_ptr, P, H,
     gate_ptr, s_gn, onorm_ptr, out_ptr, s_on, arrivals_ptr, eps,
     T: tl.constexpr, K: tl.constexpr, BV: tl.constexpr, FUSED: tl.constexpr, PDL: tl.constexpr,
-    STREAM: tl.constexpr = False,
+    STREAM: tl.constexpr = False, VB_FIRST: tl.constexpr = False,
 ):
     """Program (n, h, vb): rows vb*BV.. of head h's state over the sequence's T tokens; with FUSED, the
     last of the head's programs to arrive also applies the gated RMSNorm to all T tokens of the head.
@@ -180,9 +184,13 @@ def _kda_state_kernel(
     qkvg/beta/arrival counters and every store of this kernel comes after the wait."""
     if PDL:  # the output projection may launch now: it waits for this grid before it reads the output
         tl.extra.cuda.gdc_launch_dependents()
-    n = tl.program_id(0)
+    if VB_FIRST:
+        vb = tl.program_id(0)
+        n = tl.program_id(2)
+    else:
+        n = tl.program_id(0)
+        vb = tl.program_id(2)
     h = tl.program_id(1)
-    vb = tl.program_id(2)
     slot = tl.load(slots_ptr + n).to(tl.int64)
     fresh = tl.load(fresh_ptr + n) != 0
     offs = tl.arange(0, K)
@@ -218,7 +226,7 @@ def _kda_state_kernel(
         arrivals = arrivals_ptr + n * H + h
         before = tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu")
         tl.store(sp, m, cache_modifier=".cs" if STREAM else "")
-        if before == tl.num_programs(2) - 1:
+        if before == tl.num_programs(0 if VB_FIRST else 2) - 1:
             # every other program of the head has arrived; its rows are read from L2 (".cg"), as a line
             # of this SM's L1 could predate them
             tl.debug_barrier()
@@ -296,10 +304,13 @@ def kda_decode_multi(
         T=t, K=kd, W=w, WP=wp, BOUNDED=bounded, PDL=pdl, num_warps=4,
     )
     extra = {"launch_pdl": True} if pdl else {}
-    _kda_state_kernel[(n, h, triton.cdiv(kd, bv))](
+    vbs = triton.cdiv(kd, bv)
+    vb_first = GRID_VB_FIRST and n < 65536  # (the grid's third dimension is at most 65535)
+    _kda_state_kernel[(vbs, h, n) if vb_first else (n, h, vbs)](
         qkvg, beta, rec_pool, *rec_pool.stride(), slots, fresh, o_raw, p, h,
         gate, gate.stride(0), o_norm_weight, out, out.stride(0), arrivals, eps,
-        T=t, K=kd, BV=bv, FUSED=fused_finish, PDL=pdl, STREAM=stream, num_warps=num_warps,
+        T=t, K=kd, BV=bv, FUSED=fused_finish, PDL=pdl, STREAM=stream, VB_FIRST=vb_first,
+        num_warps=num_warps,
         **extra,
     )
     if not fused_finish:
