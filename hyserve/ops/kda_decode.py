@@ -253,7 +253,7 @@ def kda_decode_multi(
     conv_pool: torch.Tensor, rec_pool: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
     o_norm_weight: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor, scale: float, eps: float,
     lower_bound: float | None, tokens_per_seq: int, num_warps: int | None = None, block_v: int | None = None,
-    fused_finish: bool = True, pdl: bool | None = None,
+    fused_finish: bool | None = None, pdl: bool | None = None,
 ) -> torch.Tensor:
     """T = tokens_per_seq new tokens for each of N sequences (rows sequence-major, N*T in all): T recurrent
     steps per sequence, as T calls of `kda_decode` would make them. Updates the slots in place (state and
@@ -262,7 +262,10 @@ def kda_decode_multi(
     x [N*T, 3P] pre-conv q|k|v; f [N*T, P] raw gate input; b [N*T, H] β logits; gate [N*T, P] output-gate
     logits (each may be a column slice of a wider projection: only the last dim must be unit-stride);
     slots, fresh [N]; conv_pool [slots, 3P, W-1] and rec_pool [slots, H, V, K] are this layer's views.
-    fused_finish=False runs the output norm as a third launch (the former path, kept to compare against).
+    fused_finish: the output norm by the last state program of each head (True) or as a third launch
+    (False); None: fused below 528 (sequence, head) pairs, where it measured faster (H200, graph replay,
+    batch 1: 6.9 against 7.0 µs), a third launch from there (batch 64: 81.2 against 84.8 µs, batch 256:
+    311.8 against 321.2 µs, the state grid V-blocks-first).
     pdl (default: on a CUDA GPU of compute capability 9+; ignored elsewhere): the state kernel is launched
     as a programmatic dependent of the prep kernel and loads its state rows while the prep kernel still
     runs (same results, bit for bit; 0.93x the time at batch 1, even at 64 and 256 on an H200). One
@@ -290,6 +293,8 @@ def kda_decode_multi(
     bv_default, warps_default = (8, 4) if n * h < 4 * 132 else (8, 2) if n * h < 8192 else (32, 1)
     bv = min(block_v or bv_default, kd)  # never more rows than V: rows past it are another head's
     num_warps = num_warps or warps_default
+    if fused_finish is None:
+        fused_finish = n * h < 4 * 132
     stream = x.is_cuda and (n * h < 8192 if STATE_STREAM is None else STATE_STREAM)
     pdl = use_pdl(x, pdl)
     qkvg = torch.empty(n * t, h, 4, kd, dtype=torch.float32, device=x.device)
@@ -323,8 +328,8 @@ def kda_decode(
     x: torch.Tensor, f: torch.Tensor, b: torch.Tensor, gate: torch.Tensor, conv_weight: torch.Tensor,
     conv_pool: torch.Tensor, rec_pool: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
     o_norm_weight: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor, scale: float, eps: float,
-    lower_bound: float | None, num_warps: int | None = None, block_v: int | None = None, fused_finish: bool = True,
-    pdl: bool | None = None,
+    lower_bound: float | None, num_warps: int | None = None, block_v: int | None = None,
+    fused_finish: bool | None = None, pdl: bool | None = None,
 ) -> torch.Tensor:
     """One token for each of N sequences; updates the slots in place, returns the normed output [N, P].
 
