@@ -358,7 +358,7 @@ def mla_decode_latent(
         from hyserve.ops import mla_decode_wgmma
 
         mla_decode_wgmma.launch_split(q_full, q_rope, pages, block_tables, context_lens, part, lse,
-                                      scale * math.log2(math.e), prefetch, MAX_TILES)
+                                      scale * math.log2(math.e), prefetch, MAX_TILES, bh)
         return combine_splits(part, lse, pdl=pdl, out_dtype=out_dtype)
     _mla_split_kernel[(n, num_splits, hblocks)](
         q_full, q_full.stride(0), q_full.stride(1), q_rope, q_rope.stride(0), q_rope.stride(1), pages, pages.stride(0),

@@ -26,15 +26,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
+from hyserve.ops.ptx import PREFETCH_L2_ASM
+
 
 @gluon.jit
 def _prefetch_l2(ptr, nbytes):
     """Thread 0 asks the copy engine to pull [ptr, ptr + nbytes) into L2; nothing waits for it."""
-    gl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [ptr, nbytes], dtype=gl.int32, is_pure=False, pack=1,
-    )
+    gl.inline_asm_elementwise(PREFETCH_L2_ASM, "=r,l,r", [ptr, nbytes], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -172,17 +170,16 @@ def unsupported(q_full, pages, block_n: int, kv_lora_rank: int, dr: int) -> str 
     if block_n != 64 or pages.shape[1] % 64:
         return "64-row tiles inside pages of a multiple of 64 rows only"
     if kv_lora_rank % 64 or dr % 16:
-        return "a latent width that is a multiple of 64 and a rope width of 16"
+        return "a latent width that is a multiple of 64 and a rope width that is a multiple of 16"
     return None
 
 
 def launch_split(q_full, q_rope, pages, block_tables, context_lens, part, lse, qk_scale: float, prefetch: int,
-                 max_tiles: int) -> None:
-    """One split program per (sequence, split, head block of <= 32); writes part [N, S, H, R] and lse [N, S, H]
-    as `mla_decode._mla_split_kernel` does."""
+                 max_tiles: int, bh: int) -> None:
+    """One split program per (sequence, split, head block of bh <= 32 heads); writes part [N, S, H, R] and lse
+    [N, S, H] as `mla_decode._mla_split_kernel` does."""
     n, h, _ = q_full.shape
     r, dr = part.shape[-1], q_rope.shape[-1]
-    bh = 16 if h <= 16 else 32
     mla_split_wgmma_kernel[(n, part.shape[1], -(-h // bh))](
         q_full, q_full.stride(0), q_full.stride(1), q_rope, q_rope.stride(0), q_rope.stride(1), pages, pages.stride(0),
         block_tables, block_tables.stride(0), context_lens,
