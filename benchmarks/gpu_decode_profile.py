@@ -33,7 +33,7 @@ def profile_steps(model, tokenizer, n: int, mode: str, top: int, trace: str | No
     graphs = mode != "eager"
     cfg = EngineConfig(model="kimi-linear-48b-a3b", device="cuda", max_num_seqs=max(n, 1), max_model_len=1024,
                        enforce_eager=not graphs, enable_prefix_caching=False, async_scheduling=mode == "async")
-    engine = LLMEngine(cfg, model=model, tokenizer=tokenizer, cuda_graphs=graphs)
+    engine = LLMEngine(cfg, model=model, tokenizer=tokenizer)
     gen = torch.Generator().manual_seed(n)
     for i in range(n):
         engine.add_request(str(i), torch.randint(0, 1000, (PROMPT,), generator=gen).tolist(),

@@ -34,7 +34,7 @@ def decode_ms(model, tokenizer, args, n: int, graphs: bool, async_sched: bool = 
     cfg = EngineConfig(model=args.model, device=args.device, max_num_seqs=max(args.batch_list),
                        max_model_len=PROMPT + args.output_len + 64, enforce_eager=not graphs,
                        enable_prefix_caching=False, async_scheduling=async_sched)
-    engine = LLMEngine(cfg, model=model, tokenizer=tokenizer, cuda_graphs=graphs)
+    engine = LLMEngine(cfg, model=model, tokenizer=tokenizer)
     captured = len(engine.runner.graphs.graphs) if engine.runner.graphs is not None else 0
     gen = torch.Generator().manual_seed(n)
     prompts = [torch.randint(0, min(1000, model.config.vocab_size), (PROMPT,), generator=gen).tolist() for _ in range(n)]

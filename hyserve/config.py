@@ -1,9 +1,19 @@
-"""Engine configuration: flat dataclasses with vLLM's names where a counterpart exists (DESIGN.md §8)."""
+"""Engine configuration: one flat, frozen dataclass with vLLM's names where a counterpart exists
+(docs/ARCHITECTURE.md §6). Each field's metadata carries its CLI flag and help, so `hyserve serve` and
+`hyserve generate` derive their engine flags from here (entrypoints/engine_args.py).
+
+A field left at None means "decide for me": `resolve_config` fills every such default once, at engine
+start, from the device, the model and the env aliases, and the engine keeps only that resolved copy.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from hyserve import envs
 
 # The model `hyserve serve` / `generate` / `LLM()` run when none is named: the trained embedded checkpoint
 # shipped in hyserve/assets (python -m hyserve.train), else the random k3-tiny preset while none is shipped.
@@ -11,58 +21,106 @@ from dataclasses import dataclass
 EMBEDDED_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "hyserve-tiny-k3")
 EMBEDDED_MODEL_NAME = "hyserve-tiny-k3"  # what the server calls it unless --served-model-name says otherwise
 DEFAULT_MODEL = EMBEDDED_MODEL_DIR if os.path.isfile(os.path.join(EMBEDDED_MODEL_DIR, "config.json")) else "k3-tiny"
+GIB = 1 << 30
+log = logging.getLogger(__name__)
 
 
-def _env_int(name: str, default: int | None) -> int | None:
-    v = os.environ.get(name)
-    return default if v in (None, "") else int(v)
+def _opt(default, help: str, **cli):
+    """A field with its CLI help; `cli` may name the flag (`flag=`), the value that flag takes in field
+    units (`scale=`: --kv-offloading-size is GiB of a byte count), the smallest value (`min=`), `choices=`
+    and `metavar=`."""
+    return field(default=default, metadata={"help": help, **cli})
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
-    model: str = DEFAULT_MODEL
-    dtype: str = "auto"
-    device: str | None = None  # None: cuda when available, else cpu
-    seed: int = 0
-    tokenizer: str | None = None
-    served_model_name: str | None = None
+    model: str = _opt(DEFAULT_MODEL, "model directory or preset")
+    dtype: str = _opt("auto", "weights and activations: auto (the checkpoint's), float32, bfloat16 or float16")
+    device: str | None = _opt(None, "cuda or cpu (default: cuda when available)")
+    seed: int = _opt(0, "engine seed: random preset weights and torch's global generator")
+    tokenizer: str | None = _opt(None, "tokenizer directory (default: the model's, else its family's built-in one)")
+    served_model_name: str | None = _opt(None, "the name clients use (default: MODEL)")
     # scheduler
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    scheduling_policy: str = "fcfs"  # "fcfs" | "priority"
+    max_num_seqs: int = _opt(64, "most sequences in one step", min=1)
+    max_num_batched_tokens: int = _opt(2048, "token budget of one step (prefill chunks and decodes)", min=1)
+    max_model_len: int | None = _opt(None, "context limit (default: the model's)", min=1)
+    scheduling_policy: str = _opt("fcfs", "priority: requests' `priority` field orders the waiting queue",
+                                  choices=("fcfs", "priority"))
     # cache
-    block_size: int = 64
-    num_gpu_blocks: int | None = None  # page count override (the CPU default sizing uses bytes)
-    num_state_slots: int | None = None  # state slot count override
-    kv_cache_memory_bytes: int | None = None  # pool budget override (both pools)
-    gpu_memory_utilization: float = 0.9
-    kv_cache_dtype: str = "auto"
-    # prefix caching (DESIGN.md §5)
-    enable_prefix_caching: bool = True
-    prefix_cache_retention_interval: int | None = None
-    prefix_cache_second_hit: bool = True
-    prefix_cache_end_of_generation: bool = True
-    num_checkpoint_slots: int | None = None
-    cpu_offload_bytes: int = 0
+    block_size: int = _opt(64, "tokens per KV cache page (a power of two)")
+    num_gpu_blocks: int | None = _opt(None, "KV cache pages to allocate, instead of sizing the pool from memory",
+                                      flag="--num-gpu-blocks-override", min=1, metavar="N")
+    num_state_slots: int | None = _opt(None, "KDA state slots to allocate, instead of sizing them from memory",
+                                       min=1, metavar="N")
+    kv_cache_memory_bytes: int | None = _opt(None, "bytes of the cache pools (pages and state slots), instead of "
+                                                   "--gpu-memory-utilization", min=1, metavar="BYTES")
+    gpu_memory_utilization: float = _opt(0.9, "share of GPU memory for weights, activations and the cache")
+    kv_cache_dtype: str = _opt("auto", "cache rows: auto (the model dtype), float32, bfloat16 or float16")
+    # prefix caching (docs/ARCHITECTURE.md §5)
+    enable_prefix_caching: bool = _opt(True, "share cached pages and KDA checkpoints between requests")
+    prefix_cache_retention_interval: int | None = _opt(
+        None, "also keep a prefix-cache checkpoint every N tokens; 0 = off "
+              "(default: env HYSERVE_PREFIX_CACHE_RETENTION_INTERVAL, else 0)", min=0, metavar="N")
+    prefix_cache_second_hit: bool = _opt(True, "keep the branch point of a prefix seen a second time")
+    prefix_cache_end_of_generation: bool = _opt(True, "keep the state at the end of each generation")
+    num_checkpoint_slots: int | None = _opt(None, "state slots reserved for prefix-cache checkpoints "
+                                                  "(default: sized by the engine)", min=0, metavar="N")
+    cpu_offload_bytes: int = _opt(0, "CPU tier of the prefix cache, in GiB; 0 = off", flag="--kv-offloading-size",
+                                  scale=GIB, min=0, metavar="GIB")
     # execution
-    enforce_eager: bool = False
-    # launch step k+1 before reading back step k's tokens (vLLM's --async-scheduling); None: on for CUDA
-    # devices (1.2x at batch 1, 1.26x at batch 64 on an H200), off elsewhere (a CPU step gains nothing)
-    async_scheduling: bool | None = None
+    enforce_eager: bool | None = _opt(None, "never capture CUDA graphs: decode steps run eagerly (default on "
+                                            "CUDA: graphs for decode batches up to min(max-num-seqs, 512); env "
+                                            "HYSERVE_CUDA_GRAPHS=0 is an alias)")
+    # launch step k+1 before reading back step k's tokens; on CUDA it measured 1.2x at batch 1 and 1.26x
+    # at batch 64 on an H200, and a CPU step gains nothing
+    async_scheduling: bool | None = _opt(None, "launch each step before reading back the previous one's tokens, "
+                                               "so host work overlaps the GPU (a request that stops computes one "
+                                               "token more, which is dropped); default: on for CUDA devices")
 
     def __post_init__(self) -> None:
-        if self.prefix_cache_retention_interval is None:
-            self.prefix_cache_retention_interval = _env_int("HYSERVE_PREFIX_CACHE_RETENTION_INTERVAL", 0)
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.max_num_seqs < 1:
-            raise ValueError("max_num_seqs must be at least 1")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_batched_tokens must be at least 1")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, got '{self.scheduling_policy}'")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
-        if self.prefix_cache_retention_interval < 0:
-            raise ValueError("prefix_cache_retention_interval must be >= 0")
+        for f in dataclasses.fields(self):
+            value, least = getattr(self, f.name), f.metadata.get("min")
+            if least is not None and value is not None and value < least:
+                raise ValueError(f"{f.name} must be at least {least}, got {value}")
+
+    def describe(self) -> str:
+        """Every field as name=value, for the start-up log."""
+        return " ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+
+
+def resolve_config(
+    cfg: EngineConfig, device: str, dtype: str, max_position_embeddings: int | None = None,
+    env: envs.Envs | None = None,
+) -> EngineConfig:
+    """The config with every "decide for me" default filled in, for a model loaded on `device` (e.g. "cpu",
+    "cuda:0") in `dtype` ("bfloat16"): the env aliases (HYSERVE_CUDA_GRAPHS, the retention interval) where
+    no field was given, CUDA graphs and async scheduling on CUDA only, the cache in the model dtype, the
+    context limit capped by the model's. The one place these defaults are decided; `cfg` is not changed."""
+    env = env or envs.get()
+    cuda = device.split(":")[0] == "cuda"
+    eager = cfg.enforce_eager or not env.cuda_graphs or not cuda
+    interval = cfg.prefix_cache_retention_interval
+    if interval is None:
+        interval = env.prefix_cache_retention_interval or 0
+    limit = max_position_embeddings
+    max_len = cfg.max_model_len if limit is None else min(cfg.max_model_len or limit, limit)
+    return dataclasses.replace(
+        cfg, device=device, dtype=dtype, enforce_eager=eager,
+        async_scheduling=cuda if cfg.async_scheduling is None else cfg.async_scheduling,
+        prefix_cache_retention_interval=interval, max_model_len=max_len,
+        kv_cache_dtype=dtype if cfg.kv_cache_dtype == "auto" else cfg.kv_cache_dtype,
+    )
+
+
+def log_startup(cfg: EngineConfig, kernel_plan=None) -> None:
+    """The start-up log: the resolved config, the env switches that are set, the model's kernel plan."""
+    log.info("engine config: %s", cfg.describe())
+    log.info("env switches set: %s", envs.get().describe())
+    if kernel_plan is not None:
+        log.info("%s", kernel_plan.table())

@@ -81,16 +81,18 @@ def tiny_model():
 
 @pytest.fixture
 def make_engine(tiny_model):
-    """`make_engine(model="k3-tiny", cuda_graphs=None, **EngineConfig fields)`; block_size 16 and a 32 MiB
-    pool by default (cuda_graphs=True runs decode steps through the graphs' static buffers on the CPU)."""
+    """`make_engine(model="k3-tiny", static_decode_buffers=False, **EngineConfig fields)`; block_size 16
+    and a 32 MiB pool by default (static_decode_buffers=True runs decode steps through the CUDA graphs'
+    static buffers, on the CPU without a capture)."""
     engines: list[LLMEngine] = []
 
-    def make(model: str = "k3-tiny", cuda_graphs: bool | None = None, **kwargs) -> LLMEngine:
+    def make(model: str = "k3-tiny", static_decode_buffers: bool = False, **kwargs) -> LLMEngine:
         kwargs.setdefault("block_size", 16)
         kwargs.setdefault("device", "cpu")
         kwargs.setdefault("kv_cache_memory_bytes", 32 << 20)  # the 1 GiB CPU default is slow to build
         weights, tok = tiny_model(model)
-        engine = LLMEngine(EngineConfig(model=model, **kwargs), model=weights, tokenizer=tok, cuda_graphs=cuda_graphs)
+        engine = LLMEngine(EngineConfig(model=model, **kwargs), model=weights, tokenizer=tok,
+                           static_decode_buffers=static_decode_buffers)
         engines.append(engine)
         return engine
 
@@ -103,7 +105,7 @@ def make_engine(tiny_model):
 def make_llm(make_engine):
     """Like `make_engine`, wrapped in the offline `LLM` API."""
 
-    def make(model: str = "k3-tiny", cuda_graphs: bool | None = None, **kwargs) -> LLM:
-        return LLM.from_engine(make_engine(model, cuda_graphs, **kwargs))
+    def make(model: str = "k3-tiny", static_decode_buffers: bool = False, **kwargs) -> LLM:
+        return LLM.from_engine(make_engine(model, static_decode_buffers, **kwargs))
 
     return make

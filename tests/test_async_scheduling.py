@@ -33,13 +33,13 @@ def both(make_llm, ps, params, **kwargs):
 
 @pytest.mark.parametrize(
     "model, prefix_caching, graphs",
-    [("k3-tiny", True, None), ("k3-tiny", False, True), ("kimi-linear-tiny", True, True), ("k3.1-tiny", True, None)],
+    [("k3-tiny", True, False), ("k3-tiny", False, True), ("kimi-linear-tiny", True, True), ("k3.1-tiny", True, False)],
     ids=["k3", "k3-graph-buffers", "kimi-linear-graph-buffers", "k3.1"],
 )
 def test_greedy_outputs_equal_synchronous_scheduling(make_llm, model, prefix_caching, graphs):
     ps = prompts(12, 1, 120) + [[7]]
     params = [SamplingParams(temperature=0.0, max_tokens=n) for n in (1, 2, 5, 17, 40) * 2 + (9, 3, 30)]
-    sync, async_ = both(make_llm, ps, params, model=model, enable_prefix_caching=prefix_caching, cuda_graphs=graphs)
+    sync, async_ = both(make_llm, ps, params, model=model, enable_prefix_caching=prefix_caching, static_decode_buffers=graphs)
     assert async_ == sync
 
 
@@ -169,9 +169,9 @@ def test_abort_with_a_token_in_flight_frees_everything(make_engine):
 def test_async_scheduling_flag_reaches_the_engine_config():
     import argparse
 
-    from hyserve.entrypoints.engine_args import add_cache_arguments, cache_config_kwargs
+    from hyserve.entrypoints.engine_args import add_engine_arguments, engine_kwargs_from_args
 
     p = argparse.ArgumentParser()
-    add_cache_arguments(p)
-    assert cache_config_kwargs(p.parse_args(["--async-scheduling"])) == {"async_scheduling": True}
-    assert "async_scheduling" not in cache_config_kwargs(p.parse_args([]))
+    add_engine_arguments(p)
+    assert engine_kwargs_from_args(p.parse_args(["--async-scheduling"])) == {"async_scheduling": True}
+    assert "async_scheduling" not in engine_kwargs_from_args(p.parse_args([]))

@@ -20,13 +20,14 @@ MODELS = ["k3-tiny", "kimi-linear-tiny"]
 
 @pytest.fixture
 def engine_factory(tiny_model):
-    """`make(model, cuda_graphs, **EngineConfig fields)`; every engine's pools must be empty afterwards."""
+    """`make(model, static_decode_buffers, **EngineConfig fields)`; every engine's pools must be empty afterwards."""
     engines: list[LLMEngine] = []
 
-    def make(model: str = "k3-tiny", cuda_graphs: bool = True, **kwargs) -> LLMEngine:
+    def make(model: str = "k3-tiny", static_decode_buffers: bool = True, **kwargs) -> LLMEngine:
         kwargs = dict(dict(block_size=16, device="cpu", kv_cache_memory_bytes=32 << 20, max_num_seqs=8), **kwargs)
         weights, tok = tiny_model(model)
-        engine = LLMEngine(EngineConfig(model=model, **kwargs), model=weights, tokenizer=tok, cuda_graphs=cuda_graphs)
+        engine = LLMEngine(EngineConfig(model=model, **kwargs), model=weights, tokenizer=tok,
+                           static_decode_buffers=static_decode_buffers)
         engines.append(engine)
         return engine
 
@@ -192,7 +193,7 @@ def test_scratch_page_and_slot_are_in_no_pool(engine_factory):
     sized = engine_factory(max_num_seqs=8).kv
     assert sized.slots.num_slots == 8 and sized.scratch_slot == sized.tensors.conv.shape[0] - 1
     assert sized.scratch_block == sized.tensors.pages.shape[0] - 1 == sized.blocks.num_blocks
-    eager = engine_factory(cuda_graphs=False).kv
+    eager = engine_factory(static_decode_buffers=False).kv
     assert eager.scratch_block is None and eager.blocks.num_blocks == eager.tensors.pages.shape[0]
 
 
@@ -201,7 +202,7 @@ def test_mixed_and_prompt_logprobs_steps_run_eagerly(engine_factory):
     calls = []
     run = engine.runner.graphs.run
     engine.runner.graphs.run = lambda *a, **k: calls.append(len(k["token_ids"])) or run(*a, **k)
-    eager = engine_factory(cuda_graphs=False)
+    eager = engine_factory(static_decode_buffers=False)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=2)
     for e in (engine, eager):  # a one-token prompt: its first step has one token but needs prompt logits
         e.add_request("p", {"prompt_token_ids": [17]}, params)
@@ -243,7 +244,7 @@ def test_engine_outputs_equal_with_and_without_the_static_path(engine_factory, m
 
     # the same usable pool (one page is the scratch), small enough to preempt
     graphed = engine_factory(model, num_gpu_blocks=9, num_checkpoint_slots=2)
-    eager = engine_factory(model, cuda_graphs=False, num_gpu_blocks=8, num_checkpoint_slots=2)
+    eager = engine_factory(model, static_decode_buffers=False, num_gpu_blocks=8, num_checkpoint_slots=2)
     cmp = CompareSteps(graphed)
     assert run(graphed) == run(eager)
     assert not cmp.failures and cmp.graph_sizes and graphed.stats.num_preemptions == eager.stats.num_preemptions > 0
@@ -337,9 +338,9 @@ def test_async_engine_outputs_equal_with_and_without_the_static_path(make_engine
         return drain(engine)
 
     kw = dict(async_scheduling=True, max_num_seqs=8, max_num_batched_tokens=32, enable_prefix_caching=False)
-    graphed = make_engine(model, cuda_graphs=True, **kw)
+    graphed = make_engine(model, static_decode_buffers=True, **kw)
     calls = []
     graph_run = graphed.runner.graphs.run
     graphed.runner.graphs.run = lambda **k: calls.append(k["token_src"]) or graph_run(**k)
-    assert run(graphed) == run(make_engine(model, cuda_graphs=False, **kw))
+    assert run(graphed) == run(make_engine(model, **kw))
     assert any(src is not None and max(src) >= 0 for src in calls)

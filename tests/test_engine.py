@@ -290,7 +290,7 @@ def test_ignore_eos_generates_past_eos(make_llm):
 
 @pytest.mark.parametrize(
     "kwargs, graphs",
-    [({}, None), ({"enable_prefix_caching": False}, None), ({"cpu_offload_bytes": 1 << 24}, None), ({}, True)],
+    [({}, False), ({"enable_prefix_caching": False}, False), ({"cpu_offload_bytes": 1 << 24}, False), ({}, True)],
     ids=["prefix-cache", "no-prefix-cache", "cpu-tier", "graph-buffers"],
 )
 def test_a_dropped_engine_frees_its_cache_pool_without_the_collector(tiny_model, kwargs, graphs):
@@ -301,7 +301,7 @@ def test_a_dropped_engine_frees_its_cache_pool_without_the_collector(tiny_model,
     gc.collect()
     gc.disable()
     try:
-        engine = LLMEngine(cfg, model=weights, tokenizer=tok, cuda_graphs=graphs)
+        engine = LLMEngine(cfg, model=weights, tokenizer=tok, static_decode_buffers=graphs)
         llm = LLM.from_engine(engine)
         llm.generate([[5, 6, 7] * 20, [9, 8]], GREEDY, use_tqdm=False)
         pool = weakref.ref(engine.kv.tensors)

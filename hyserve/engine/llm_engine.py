@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hyserve.config import EngineConfig
+from hyserve.config import EngineConfig, log_startup, resolve_config
 from hyserve.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from hyserve.engine.kv_cache import KVCacheManager, plan_cache
 from hyserve.engine.model_runner import ModelRunner, PendingTokens
@@ -75,28 +75,27 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(
-        self, cfg: EngineConfig, model=None, tokenizer: Tokenizer | None = None, *, cuda_graphs: bool | None = None
+        self, cfg: EngineConfig, model=None, tokenizer: Tokenizer | None = None, *, static_decode_buffers: bool = False
     ):
-        """`cuda_graphs`: None = capture decode graphs on CUDA unless cfg.enforce_eager (vLLM's default;
-        HYSERVE_CUDA_GRAPHS=0 turns them off too). True on the CPU runs decode steps through the same
-        static, padded buffers without a graph: for tests of that path."""
-        self.cfg = cfg
+        """Decode steps replay CUDA graphs unless the resolved config says `enforce_eager` (always on the
+        CPU). `static_decode_buffers` runs them through the graphs' static, padded buffers whatever the
+        config says; on the CPU nothing is captured: the path's tests use it."""
         device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
         torch.manual_seed(cfg.seed)
         self.model = model if model is not None else load_model(cfg.model, dtype=cfg.dtype, device=device, seed=cfg.seed)
         self.model_config = self.model.config
         self.device = self.model.device
-        if cfg.async_scheduling is None:
-            cfg.async_scheduling = self.device.type == "cuda"
+        # the one resolution of the defaults left open (docs/ARCHITECTURE.md §6); the engine reads only this
+        self.cfg = cfg = resolve_config(cfg, str(self.device), str(self.model.dtype).removeprefix("torch."),
+                                        self.model_config.max_position_embeddings)
+        log_startup(cfg)
         self.tokenizer = tokenizer or load_tokenizer(
             cfg.tokenizer or (cfg.model if os.path.isdir(cfg.model) else None), self.model_config.tokenizer_family
         )
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(cfg.max_model_len or limit, limit)
         cache_dtype = self.model.dtype if cfg.kv_cache_dtype == "auto" else resolve_dtype(cfg.kv_cache_dtype, self.model_config)
-        if cuda_graphs is None:
-            allowed = os.environ.get("HYSERVE_CUDA_GRAPHS", "1") != "0"
-            cuda_graphs = self.device.type == "cuda" and not cfg.enforce_eager and allowed
+        cuda_graphs = static_decode_buffers or not cfg.enforce_eager
         self.cache_plan = plan_cache(cfg, self.model, cache_dtype, self.max_model_len, scratch=cuda_graphs)
         log.info(self.cache_plan.describe())
         self.kv = KVCacheManager(self.model, self.cache_plan, cache_dtype)

@@ -1,54 +1,62 @@
-"""Cache and execution flags shared by `hyserve serve` and `hyserve generate`, and their mapping onto
-`EngineConfig` fields (DESIGN.md §8). A flag left out maps to nothing, so the EngineConfig default
-(and, for the retention interval, env HYSERVE_PREFIX_CACHE_RETENTION_INTERVAL) still applies."""
+"""The engine flags of `hyserve serve` and `hyserve generate`, derived from `EngineConfig`'s fields
+(docs/ARCHITECTURE.md §6): one flag per field, named as vLLM names it (`--max-num-seqs`,
+`--enforce-eager`, `--no-enable-prefix-caching`, ...), with the help, bounds and units the field's
+metadata gives. A flag left out maps to nothing, so the field's default (resolved at engine start)
+applies."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import types
+import typing
 from typing import Any
 
-GIB = 1 << 30
+from hyserve.config import EngineConfig
 
 
-def add_cache_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    p.add_argument("--prefix-cache-retention-interval", type=int, default=None, metavar="N",
-                   help="also keep a prefix-cache checkpoint every N tokens; 0 = off "
-                        "(default: env HYSERVE_PREFIX_CACHE_RETENTION_INTERVAL, else 0)")
-    p.add_argument("--kv-offloading-size", type=float, default=None, metavar="GIB",
-                   help="CPU tier of the prefix cache, in GiB; 0 = off (default: 0)")
-    p.add_argument("--num-gpu-blocks-override", type=int, default=None, metavar="N",
-                   help="KV cache pages to allocate, instead of sizing the pool from memory")
-    p.add_argument("--num-checkpoint-slots", type=int, default=None, metavar="N",
-                   help="state slots reserved for prefix-cache checkpoints (default: sized by the engine)")
-    p.add_argument("--enforce-eager", action="store_true", default=None,
-                   help="never capture CUDA graphs: decode steps run eagerly (default on CUDA: graphs for "
-                        "decode batches up to min(max-num-seqs, 512))")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="launch each step before reading back the previous one's tokens, so host work "
-                        "overlaps the GPU (a request that stops computes one token more, which is dropped); "
-                        "default: on for CUDA devices")
+def _value_type(hint) -> type:
+    """int for `int | None`, and so on."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
 
 
-def cache_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """EngineConfig keyword arguments for the flags of `add_cache_arguments` that were given."""
+def engine_fields(exclude: frozenset[str] | set[str] = frozenset()) -> list[tuple[dataclasses.Field, type, str]]:
+    """(field, value type, flag) for every EngineConfig field not in `exclude`."""
+    hints = typing.get_type_hints(EngineConfig)
+    return [(f, _value_type(hints[f.name]), f.metadata.get("flag", "--" + f.name.replace("_", "-")))
+            for f in dataclasses.fields(EngineConfig) if f.name not in exclude]
+
+
+def add_engine_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup,
+                         exclude: frozenset[str] | set[str] = frozenset()) -> None:
+    """One flag per EngineConfig field (bools as --x / --no-x); every default is None, meaning "not given"."""
+    for f, kind, flag in engine_fields(exclude):
+        meta = f.metadata
+        shown = ""
+        if "default" not in meta["help"] and f.default is not None:
+            shown = f" (default: {('off', 'on')[f.default] if isinstance(f.default, bool) else f.default})"
+        kw: dict[str, Any] = {"dest": f.name, "default": None, "help": meta["help"] + shown}
+        if kind is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw.update(type=float if meta.get("scale") else kind, metavar=meta.get("metavar"),
+                      choices=meta.get("choices"))
+        p.add_argument(flag, **kw)
+
+
+def engine_kwargs_from_args(args: argparse.Namespace, exclude: frozenset[str] | set[str] = frozenset()) -> dict:
+    """EngineConfig keyword arguments for the engine flags that were given. ValueError names the flag of a
+    value below its bound."""
     out: dict[str, Any] = {}
-    if getattr(args, "prefix_cache_retention_interval", None) is not None:
-        out["prefix_cache_retention_interval"] = args.prefix_cache_retention_interval
-    size = getattr(args, "kv_offloading_size", None)
-    if size is not None:
-        if size < 0:
-            raise ValueError(f"--kv-offloading-size must be >= 0 GiB, got {size}")
-        out["cpu_offload_bytes"] = int(size * GIB)
-    # (flag, EngineConfig field, smallest value): a pool needs a page; checkpoints may be switched off.
-    for flag, field, least in (("num_gpu_blocks_override", "num_gpu_blocks", 1),
-                               ("num_checkpoint_slots", "num_checkpoint_slots", 0)):
-        value = getattr(args, flag, None)
-        if value is not None:
-            if value < least:
-                raise ValueError(f"--{flag.replace('_', '-')} must be >= {least}, got {value}")
-            out[field] = value
-    if getattr(args, "enforce_eager", None):
-        out["enforce_eager"] = True
-    if getattr(args, "async_scheduling", None) is not None:
-        out["async_scheduling"] = args.async_scheduling
+    for f, _, flag in engine_fields(exclude):
+        value = getattr(args, f.name, None)
+        if value is None:
+            continue
+        least = f.metadata.get("min")
+        if least is not None and value < least:
+            raise ValueError(f"{flag} must be >= {least}, got {value}")
+        scale = f.metadata.get("scale")
+        out[f.name] = int(value * scale) if scale else value
     return out

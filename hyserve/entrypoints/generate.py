@@ -14,7 +14,11 @@ import sys
 from typing import Any
 
 from hyserve.config import DEFAULT_MODEL
-from hyserve.entrypoints.engine_args import add_cache_arguments, cache_config_kwargs
+from hyserve.entrypoints.engine_args import add_engine_arguments, engine_kwargs_from_args
+
+# EngineConfig fields without an engine flag here: the model is the positional MODEL, `--seed` is the
+# sampling seed of every request, and nothing serves a model name
+GENERATE_EXCLUDED = frozenset({"model", "seed", "served_model_name"})
 
 
 def add_generate_parser(subparsers) -> argparse.ArgumentParser:
@@ -33,14 +37,7 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--n", type=int, default=1, help="completions per prompt")
     s.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     s.add_argument("--ignore-eos", action="store_true")
-    e = p.add_argument_group("engine")
-    e.add_argument("--dtype", default="auto")
-    e.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    e.add_argument("--block-size", type=int, default=64)
-    e.add_argument("--max-num-seqs", type=int, default=64)
-    e.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    e.add_argument("--max-model-len", type=int, default=None)
-    add_cache_arguments(e)
+    add_engine_arguments(p.add_argument_group("engine"), exclude=GENERATE_EXCLUDED)
     p.add_argument("--output", choices=["text", "jsonl"], default="text")
     p.set_defaults(func=run_generate)
     return p
@@ -69,12 +66,8 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """EngineConfig keyword arguments from the engine flags."""
-    return dict(
-        dtype=args.dtype, device=args.device, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        **cache_config_kwargs(args),
-    )
+    """EngineConfig keyword arguments from the engine flags that were given."""
+    return engine_kwargs_from_args(args, exclude=GENERATE_EXCLUDED)
 
 
 def run_generate(args: argparse.Namespace) -> int:

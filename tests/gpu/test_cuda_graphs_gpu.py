@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hyserve import EngineConfig, SamplingParams
+from hyserve import EngineConfig, SamplingParams, envs
 from hyserve.engine.llm_engine import LLMEngine
 from hyserve.models.config import parse_config
 from hyserve.models.device_init import random_init_on_device
@@ -106,8 +106,15 @@ def test_graph_logits_match_eager_logits(models, name):
 
 
 def test_graphs_are_the_default_on_cuda(models, monkeypatch):
-    monkeypatch.delenv("HYSERVE_CUDA_GRAPHS", raising=False)
-    assert _engine(models("kimi-linear-tiny"), "kimi-linear-tiny").runner.graphs is not None
+    monkeypatch.setattr(envs, "get", lambda: envs.read({}))  # whatever this process's HYSERVE_CUDA_GRAPHS says
+    engine = _engine(models("kimi-linear-tiny"), "kimi-linear-tiny")
+    assert engine.runner.graphs is not None and engine.cfg.enforce_eager is False
+
+
+def test_the_cuda_graphs_env_switch_is_an_alias_of_enforce_eager(models, monkeypatch):
+    monkeypatch.setattr(envs, "get", lambda: envs.read({"HYSERVE_CUDA_GRAPHS": "0"}))
+    engine = _engine(models("kimi-linear-tiny"), "kimi-linear-tiny")
+    assert engine.runner.graphs is None and engine.cfg.enforce_eager is True
 
 
 def test_enforce_eager_captures_nothing(models):

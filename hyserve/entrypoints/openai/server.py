@@ -19,10 +19,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import hyserve
-from hyserve.config import EMBEDDED_MODEL_DIR, EMBEDDED_MODEL_NAME, EngineConfig
+from hyserve import envs
+from hyserve.config import DEFAULT_MODEL, EMBEDDED_MODEL_DIR, EMBEDDED_MODEL_NAME, EngineConfig
 from hyserve.engine.engine_client import AsyncEngineClient
 from hyserve.entrypoints.chat import get_chat_encoder
-from hyserve.entrypoints.engine_args import cache_config_kwargs
+from hyserve.entrypoints.engine_args import engine_kwargs_from_args
 from hyserve.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -35,6 +36,7 @@ from hyserve.entrypoints.openai.protocol import (
 from hyserve.entrypoints.openai.serving_chat import create_chat_completion
 from hyserve.entrypoints.openai.serving_common import ServerState
 from hyserve.entrypoints.openai.serving_completion import create_completion
+from hyserve.entrypoints.serve import SERVE_EXCLUDED
 from hyserve.metrics import ServerMetrics
 from hyserve.tokenizer import load_tokenizer
 
@@ -74,16 +76,14 @@ class RequestIdAndAuth:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    fields = ("model", "dtype", "device", "seed", "tokenizer", "served_model_name", "max_num_seqs",
-              "max_num_batched_tokens", "max_model_len", "block_size", "gpu_memory_utilization", "kv_cache_dtype",
-              "enable_prefix_caching", "prefix_cache_second_hit", "prefix_cache_end_of_generation",
-              "scheduling_policy")
-    kwargs = {f: getattr(args, f) for f in fields if getattr(args, f, None) is not None}
-    return EngineConfig(**kwargs, **cache_config_kwargs(args))
+    """The EngineConfig of the engine flags given (entrypoints/engine_args.py), the model from MODEL."""
+    envs.get()  # a bad HYSERVE_* value fails here, naming the switch, not later in the engine process
+    return EngineConfig(model=args.model or DEFAULT_MODEL, **engine_kwargs_from_args(args, exclude=SERVE_EXCLUDED))
 
 
 def describe_config(cfg: EngineConfig, info: dict[str, Any]) -> str:
-    """The effective cache settings for the start-up log: env defaults resolved, engine-sized values filled in."""
+    """The effective cache settings for the start-up log: `cfg` as the engine resolved it, the sizes the
+    engine chose filled in."""
     offload = f"{cfg.cpu_offload_bytes / 2**30:g} GiB" if cfg.cpu_offload_bytes else "off"
     return (f"prefix_caching={cfg.enable_prefix_caching} "
             f"retention_interval={cfg.prefix_cache_retention_interval} "
@@ -134,7 +134,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
             emit_reasoning_content=bool(getattr(args, "reasoning_content", False)), metrics=metrics,
         )
         log.info("engine ready: %s", client.info.get("cache_description"))
-        log.info("engine config: %s", describe_config(cfg, client.info))
+        log.info("cache config: %s", describe_config(client.info["config"], client.info))
         try:
             yield
         finally:

@@ -1,0 +1,88 @@
+"""Every `HYSERVE_*` environment switch: the one module that reads the environment (docs/ARCHITECTURE.md §6).
+
+The switches are read once, on first use, into a frozen `Envs`; whoever needs one reads that object. They
+are switches for debugging and measuring, not configuration: each engine setting has an `EngineConfig`
+field (and a CLI flag), and the two switches that only stand in for a field are aliases, applied where the
+config is resolved (`hyserve.config.resolve_config`). The engine logs the switches that are set when it
+starts.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Switch:
+    name: str
+    default: str
+    help: str
+
+
+SWITCHES = (
+    Switch("HYSERVE_REFERENCE_OPS", "0",
+           "1: every layer runs its torch reference, on CUDA too (the kernel plan says 'reference' everywhere)"),
+    Switch("HYSERVE_DSA_TRITON", "1",
+           "0: the DSA indexer and sparse MLA keep their torch references on CUDA (to bisect a kernel)"),
+    Switch("HYSERVE_DSA_EXACT_SCORES", "0",
+           "1: the indexer's Triton kernel scores FP8 keys with an exact fp16 dot, not the FP8 tensor-core dot"),
+    Switch("HYSERVE_CUDA_GRAPHS", "1", "0: an alias of --enforce-eager (no decode graphs)"),
+    Switch("HYSERVE_PREFIX_CACHE_RETENTION_INTERVAL", "",
+           "the default of --prefix-cache-retention-interval (a checkpoint every N tokens; 0 = off)"),
+)
+_NAMES = {s.name for s in SWITCHES}
+
+
+@dataclass(frozen=True)
+class Envs:
+    reference_ops: bool = False
+    dsa_triton: bool = True
+    dsa_exact_scores: bool = False
+    cuda_graphs: bool = True
+    prefix_cache_retention_interval: int | None = None  # None: not set
+    set_switches: tuple[tuple[str, str], ...] = ()  # (name, value) of every HYSERVE_* variable set
+
+    def describe(self) -> str:
+        """The set switches for the start-up log ("none" when no HYSERVE_* variable is set)."""
+        return " ".join(f"{k}={v}" for k, v in self.set_switches) or "none"
+
+
+def _flag(environ: Mapping[str, str], name: str, default: bool) -> bool:
+    value = environ.get(name, "").strip()
+    if value == "":
+        return default
+    if value not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def _count(environ: Mapping[str, str], name: str) -> int | None:
+    value = environ.get(name, "").strip()
+    if value == "":
+        return None
+    if not value.isdigit():
+        raise ValueError(f"{name} must be a whole number >= 0, got {value!r}")
+    return int(value)
+
+
+def read(environ: Mapping[str, str]) -> Envs:
+    """Parse the switches of `environ`; ValueError names a switch with a value it cannot take. A
+    HYSERVE_* name that is not a switch here is reported as set, so a misspelling shows in the log."""
+    return Envs(
+        reference_ops=_flag(environ, "HYSERVE_REFERENCE_OPS", False),
+        dsa_triton=_flag(environ, "HYSERVE_DSA_TRITON", True),
+        dsa_exact_scores=_flag(environ, "HYSERVE_DSA_EXACT_SCORES", False),
+        cuda_graphs=_flag(environ, "HYSERVE_CUDA_GRAPHS", True),
+        prefix_cache_retention_interval=_count(environ, "HYSERVE_PREFIX_CACHE_RETENTION_INTERVAL"),
+        set_switches=tuple(sorted((k, v if k in _NAMES else f"{v} (not read by hyserve)")
+                                  for k, v in environ.items() if k.startswith("HYSERVE_"))),
+    )
+
+
+@functools.cache
+def get() -> Envs:
+    """The process's switches, read from os.environ on the first call."""
+    return read(os.environ)
