@@ -332,8 +332,10 @@ def _copies(shape, total_bytes: float, gen) -> list[torch.Tensor]:
 
 def gemv_rows(ceil, gen) -> list[str]:
     """Single-token projections of the 48B shape, each call on another copy of the weight in one graph:
-    cuBLAS (F.linear) against the Triton GEMV (ops/dense_gemv.py) over a sweep of its tiles and K splits."""
+    cuBLAS (F.linear) against the Triton GEMV (ops/dense_gemv.py) over a sweep of its tiles and K splits, and
+    the tiles the kernel plan's rule picks (`kernel_plan.gemv_config`)."""
     from hyserve.ops.dense_gemv import gemv
+    from hyserve.ops.kernel_plan import gemv_config
 
     shapes = {"attention output (o_proj)": (2304, 4096), "KDA merged input": (12576, 2304),
               "MLA q | kv_a": (6720, 2304), "layer-0 MLP gate/up": (9216, 2304), "layer-0 MLP down": (2304, 9216),
@@ -351,10 +353,13 @@ def gemv_rows(ceil, gen) -> list[str]:
             ms = time_graph_ms(lambda cfg=cfg: [gemv(x, w, cfg) for w in ws], 10) / len(ws)
             best = (ms, cfg) if best is None or ms < best[0] else best
         ms, cfg = best
+        rule = gemv_config(n, k, False, torch.cuda.get_device_properties(0).multi_processor_count)
+        rule_ms = time_graph_ms(lambda: [gemv(x, w, rule) for w in ws], 10) / len(ws)
         floor = byts / (ceil["copy_tbs"] * 1e12) * 1e3
         rows.append(f"| GEMV 1 token, {name} {n}x{k} | {ms * 1e3:.1f} µs | {byts / 1e6:.1f} MB | "
                     f"{byts / ms / 1e9:.2f} TB/s | {floor * 1e3:.1f} µs | {floor / ms:.0%} | best tile (BN, BK, warps, "
-                    f"stages, K splits) {cfg}; cuBLAS {ref * 1e3:.1f} µs = {byts / ref / 1e9:.2f} TB/s, {ref / ms:.2f}x |")
+                    f"stages, K splits) {cfg}; cuBLAS {ref * 1e3:.1f} µs = {byts / ref / 1e9:.2f} TB/s, {ref / ms:.2f}x; "
+                    f"the plan's rule {rule} {rule_ms * 1e3:.1f} µs |")
     return rows
 
 

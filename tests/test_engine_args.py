@@ -103,11 +103,15 @@ def test_async_scheduling_is_left_to_the_device_unless_a_flag_says_otherwise():
     assert generate_kwargs("--no-async-scheduling")["async_scheduling"] is False
 
 
-def test_the_engine_resolves_the_async_default_from_its_device_and_leaves_the_given_config_alone():
+def test_the_engine_resolves_the_async_default_from_its_device_and_leaves_the_given_config_alone(caplog):
     from hyserve.engine.llm_engine import LLMEngine
 
     cfg = EngineConfig(model="k3-tiny", device="cpu", max_model_len=64, max_num_seqs=2)
-    engine = LLMEngine(cfg)
+    with caplog.at_level("INFO"):
+        engine = LLMEngine(cfg)
+    logged = caplog.text
+    assert "engine config: model=k3-tiny dtype=float32 device=cpu" in logged and "env switches set:" in logged
+    assert "kernel plan: KimiK3ForCausalLM in float32 on cpu" in logged
     assert engine.cfg.async_scheduling is False  # nothing to overlap on the CPU
     assert engine.cfg.enforce_eager is True  # nor graphs to capture
     assert cfg.async_scheduling is None and cfg.enforce_eager is None

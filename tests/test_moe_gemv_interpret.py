@@ -105,15 +105,17 @@ def test_no_tokens_give_no_rows(gemv):
 def test_unsummed_moe_output_through_the_residual_norm_equals_the_summed_path(gemv, t, monkeypatch):
     """MoE.forward(summed=False) on the decode kernels hands back the per-pair partials, and add_rms_norm
     sums them inside its kernel: the same residual stream and normed output, bit for bit, as the pair-sum
-    kernel followed by the plain residual norm (the decode GPU path, forced on for the interpreter)."""
+    kernel followed by the plain residual norm (the decode GPU path: an H200's kernel plan, interpreted)."""
     from hyserve.models.config import parse_config
     from hyserve.models.layers import moe as moe_layer
     from hyserve.models.layers import norm
     from hyserve.models.presets import preset_config
+    from hyserve.ops.device_spec import H200
+    from hyserve.ops.kernel_plan import plan_kernels
 
-    monkeypatch.setattr(moe_layer, "fast_path", lambda x: True)
     monkeypatch.setattr(norm, "no_grad_fast_path", lambda *a: True)
     cfg = parse_config(preset_config("kimi-linear-tiny"))
+    plan = plan_kernels(cfg, H200, torch.float32)
     gen = torch.Generator().manual_seed(40 + t)
     layer = moe_layer.MoE(cfg)
     for p in layer.parameters():
@@ -121,8 +123,8 @@ def test_unsummed_moe_output_through_the_residual_norm_equals_the_summed_path(ge
     x = torch.randn(t, cfg.hidden_size, generator=gen)
     residual, w = torch.randn(t, cfg.hidden_size, generator=gen), 1 + 0.1 * torch.randn(cfg.hidden_size, generator=gen)
     with torch.no_grad():
-        parts = layer(x, summed=False)
+        parts = layer(x, summed=False, plan=plan)
         assert isinstance(parts, gemv.PairParts) and parts.pairs == cfg.num_experts_per_tok + 1
         got = norm.add_rms_norm(residual, parts, w, 1e-6)
-        want = norm.add_rms_norm(residual, layer(x), w, 1e-6)
+        want = norm.add_rms_norm(residual, layer(x, plan=plan), w, 1e-6)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hyserve.entrypoints.chat.k3_encoding import encode_k3
+from hyserve.models.layers.moe import dense_experts
 from hyserve.models.loader import load_model
 from hyserve.tokenizer import load_tokenizer
 from hyserve.train.bpe import save_tokenizer, train_bpe
@@ -24,15 +25,7 @@ from hyserve.train.data import (
     split_modules,
     tool_messages,
 )
-from hyserve.train.packed import (
-    dense_experts,
-    masked_lm_loss,
-    row_batch,
-    row_lm_loss,
-    scratch_cache,
-    training_kernels,
-    trim_autotuners,
-)
+from hyserve.train.packed import masked_lm_loss, row_batch, row_lm_loss, scratch_cache, trim_autotuners
 from hyserve.train.rows import IGNORE, RowBatch, row_batches
 from hyserve.train.trainer import TrainConfig, k3_config, new_model, save_checkpoint, train
 
@@ -207,8 +200,9 @@ def test_the_batched_training_layers_compute_the_reference_function(one_thread):
     batch = row_batch(3, 64, torch.device("cpu"))
     with torch.no_grad():
         ref = row_lm_loss(model, rb, batch, scratch_cache(model, batch))
-        with training_kernels(model):
-            fast = row_lm_loss(model, rb, batch, scratch_cache(model, batch))
+        plan = model.kernel_plan.for_training()
+        assert plan.training and not plan.train_fla  # fla needs CUDA: the CPU trains through the torch KDA
+        fast = row_lm_loss(model, rb, batch, scratch_cache(model, batch), plan)
         # and equal to scoring each row alone from an empty state, as the server would
         seqs = rb.ids.view(3, 64).tolist()
         alone = masked_lm_loss(model, seqs, [[1] * 64] * 3)[0]

@@ -88,7 +88,7 @@ class LLMEngine:
         # the one resolution of the defaults left open (docs/ARCHITECTURE.md §6); the engine reads only this
         self.cfg = cfg = resolve_config(cfg, str(self.device), str(self.model.dtype).removeprefix("torch."),
                                         self.model_config.max_position_embeddings)
-        log_startup(cfg)
+        log_startup(cfg, self.model.kernel_plan)
         self.tokenizer = tokenizer or load_tokenizer(
             cfg.tokenizer or (cfg.model if os.path.isdir(cfg.model) else None), self.model_config.tokenizer_family
         )

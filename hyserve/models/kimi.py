@@ -16,6 +16,8 @@ from hyserve.models.layers.mla import MLAttention
 from hyserve.models.layers.moe import DenseMLP, MoE, glu_of
 from hyserve.models.layers.norm import RMSNorm, add_rms_norm
 from hyserve.ops.dense_gemv import linear
+from hyserve.ops.device_spec import DeviceSpec
+from hyserve.ops.kernel_plan import KernelPlan, active, plan_kernels
 from hyserve.ops.moe_gemv import PairParts
 
 
@@ -37,15 +39,17 @@ class DecoderLayer(nn.Module):
             self.self_attention_res = AttnRes(cfg.hidden_size, cfg.rms_norm_eps)
             self.mlp_res = AttnRes(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def attn(self, x: torch.Tensor, batch: Batch, cache: CacheTensors) -> torch.Tensor:
-        return self.self_attn(self.input_layernorm(x), batch, cache)
+    def attn(self, x: torch.Tensor, batch: Batch, cache: CacheTensors, plan: KernelPlan) -> torch.Tensor:
+        return self.self_attn(self.input_layernorm(x), batch, cache, plan)
 
-    def ffn(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mlp_out(self.post_attention_layernorm(x))
+    def ffn(self, x: torch.Tensor, plan: KernelPlan) -> torch.Tensor:
+        return self.mlp_out(self.post_attention_layernorm(x), plan)
 
-    def mlp_out(self, h: torch.Tensor, summed: bool = True) -> torch.Tensor | PairParts:
+    def mlp_out(self, h: torch.Tensor, plan: KernelPlan, summed: bool = True) -> torch.Tensor | PairParts:
         """The MLP or MoE on already-normed input (summed=False: see `MoE.forward`)."""
-        return self.block_sparse_moe(h, summed=summed) if hasattr(self, "block_sparse_moe") else self.mlp(h)
+        if hasattr(self, "block_sparse_moe"):
+            return self.block_sparse_moe(h, summed=summed, plan=plan)
+        return self.mlp(h, plan)
 
 
 class KimiModel(nn.Module):
@@ -58,7 +62,7 @@ class KimiModel(nn.Module):
         if self.block:
             self.output_attn_res = AttnRes(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, batch: Batch, cache: CacheTensors) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, batch: Batch, cache: CacheTensors, plan: KernelPlan) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         if not self.block:
             # each residual add runs with the pre-norm that follows it (one kernel on the GPU)
@@ -66,8 +70,8 @@ class KimiModel(nn.Module):
             norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
             for layer, next_norm in zip(self.layers, norms):
                 post = layer.post_attention_layernorm
-                x, h = add_rms_norm(x, layer.self_attn(h, batch, cache), post.weight, post.eps)
-                x, h = add_rms_norm(x, layer.mlp_out(h, summed=False), next_norm.weight, next_norm.eps)
+                x, h = add_rms_norm(x, layer.self_attn(h, batch, cache, plan), post.weight, post.eps)
+                x, h = add_rms_norm(x, layer.mlp_out(h, plan, summed=False), next_norm.weight, next_norm.eps)
             return h
         prefix: torch.Tensor | None = x
         blocks: list[torch.Tensor] = []
@@ -76,9 +80,9 @@ class KimiModel(nn.Module):
             if i % self.block == 0:
                 blocks.append(prefix)
                 prefix = None
-            a = layer.attn(h, batch, cache)
+            a = layer.attn(h, batch, cache, plan)
             prefix = a if prefix is None else prefix + a
-            prefix = prefix + layer.ffn(layer.mlp_res(blocks, prefix))
+            prefix = prefix + layer.ffn(layer.mlp_res(blocks, prefix), plan)
         return self.norm(self.output_attn_res(blocks, prefix))
 
 
@@ -97,15 +101,31 @@ class KimiForCausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
-    def forward(self, input_ids: torch.Tensor, batch: Batch, cache: CacheTensors) -> torch.Tensor:
-        """Final-normed hidden states [T, D] for the flattened step; reads and writes `cache`."""
-        return self.model(input_ids, batch, cache)
+    @property
+    def kernel_plan(self) -> KernelPlan:
+        """Which kernel each layer runs (ops/kernel_plan.py), decided when the model is built on its
+        device; decided again only after the model has moved to another device or dtype."""
+        key = (str(self.device), self.dtype)
+        if self.__dict__.get("_planned_for") != key:
+            self._plan = plan_kernels(self.config, DeviceSpec.of(self.device), self.dtype)
+            self._planned_for = key
+        return self._plan
+
+    def forward(self, input_ids: torch.Tensor, batch: Batch, cache: CacheTensors,
+                plan: KernelPlan | None = None) -> torch.Tensor:
+        """Final-normed hidden states [T, D] for the flattened step; reads and writes `cache`. The layers
+        run the kernels of `plan`: the model's `kernel_plan` by default; for training on packed fresh
+        sequences (train/packed.py), `kernel_plan.for_training()`, the same function through batched,
+        differentiable layer paths."""
+        return self.model(input_ids, batch, cache, active(plan or self.kernel_plan))
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 logits [T, vocab]; into `out` when given (one conversion kernel instead of a cast and a copy)."""
+        w = self.lm_head.weight
+        config = active(self.kernel_plan).linear_gemv(hidden, w, out)
         if out is not None:
-            return linear(hidden, self.lm_head.weight, out=out)
-        return linear(hidden, self.lm_head.weight).float()
+            return linear(hidden, w, out=out, config=config)
+        return linear(hidden, w, config=config).float()
 
     def make_cache(self, num_blocks: int, block_size: int, num_slots: int, dtype: torch.dtype | None = None) -> CacheTensors:
         cfg, dev = self.config, self.device

@@ -56,6 +56,7 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device
         p.data = p.data.to(torch.float32 if name.endswith(_FP32_PARAMS) else dtype)
     if model.device.type == "cuda":  # give the float32 staging back: the cache planner counts free memory
         torch.cuda.empty_cache()
+    log.debug("%s", model.kernel_plan.table())  # decided here, at load: the device and dtype are final
     return model.eval().requires_grad_(False)
 
 

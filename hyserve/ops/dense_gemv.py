@@ -1,12 +1,14 @@
-"""Dense projections of one decode token as a Triton GEMV (DESIGN.md §6).
+"""Dense projections of one decode token as a Triton GEMV (docs/ARCHITECTURE.md §7).
 
 One program per block of output rows streams its rows once, as the MoE GEMV kernels do (ops/moe_gemv.py).
 Measured on an H200 against cuBLAS at the 48B shapes (benchmarks/gpu_kernels.py --only gemv, 2026-11-30):
-1.15x on the lm_head (755 MB, 4.4 TB/s), on a par for the KDA and MLA input projections. Where the output
-has few rows and a long input (the attention output 2304 x 4096) one program per row block leaves SMs
-idle (0.8x cuBLAS, which splits K); split over K (the parts summed by each row block's last split) it is
-1.06x. So `linear` uses it only for the shapes listed in CONFIGS. Tokens after the first re-read the weight tile
-from cache: single-token steps only.
+1.15x on the lm_head (755 MB, 4.4 TB/s: 172 µs against 197), on a par for the KDA and MLA input
+projections. Where the output has few rows and a long input (the attention output 2304 x 4096) one
+program per row block leaves SMs idle (0.8x cuBLAS, which splits K); split over K (the parts summed by
+each row block's last split) it is 1.06x (8.9 against 9.4 µs), and the layer-0 MLP down (2304 x 9216)
+with the SiLU-GLU read in replaces the activation's five small kernels too. The tiles come from a rule
+of the weight's shape and the SM count (`kernel_plan.gemv_config`); which projections take the GEMV is the
+kernel plan's call. Tokens after the first re-read the weight tile from cache: single-token steps only.
 """
 
 from __future__ import annotations
@@ -17,22 +19,11 @@ import triton
 import triton.language as tl
 
 from hyserve.ops.arrival import arrival_counters
-from hyserve.ops.dispatch import no_grad_fast_path, use_pdl
+from hyserve.ops.dispatch import use_pdl
+from hyserve.ops.kernel_plan import GemvConfig, gemv_config
 from hyserve.ops.moe_gemv import _gemv_rows
 from hyserve.ops.ptx import prefetch_l2
 
-# (BLOCK_N rows, BLOCK_K, num_warps, num_stages, K splits) by weight shape (out, in), for the shapes where a
-# sweep on an H200 (benchmarks/gpu_kernels.py --only gemv) beat cuBLAS; `linear` keeps cuBLAS for the rest
-CONFIGS: dict[tuple[int, int], tuple[int, int, int, int, int]] = {
-    (163840, 2304): (16, 256, 8, 4, 1),  # the 48B lm_head: 172 µs = 4.4 TB/s against cuBLAS's 197 µs (2026-11-30)
-    # the 48B attention output (KDA and MLA o_proj): 2,304 rows are 144 row blocks, so K splits in 4 to fill
-    # the SMs; 8.9 µs against cuBLAS's split-K GEMM + reduce kernel, 9.4 µs (2026-11-30)
-    (2304, 4096): (16, 256, 8, 4, 4),
-    # the 48B layer-0 MLP down: 16.4 µs against cuBLAS's 16.2 alone, but with the SiLU-GLU read in
-    # (`DenseMLP`) it also replaces the activation's five small kernels (2026-11-30)
-    (2304, 9216): (16, 256, 8, 3, 4),
-}
-DEFAULT = (16, 256, 4, 4, 1)
 # programmatic dependent launch on sm_90+ (off: plain launches, to compare against)
 PDL = True
 # with PDL, a weight up to this size is asked into L2 while the kernel before runs (the 48B attention
@@ -89,10 +80,11 @@ def _dense_gemv_kernel(x_ptr, s_xm, w_ptr, s_wr, y_ptr, s_ym, part_ptr, count_pt
             tl.store(count_ptr + rb, 0)  # the next launch on the stream starts after this one ends
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int, int] | None = None,
+def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None,
          silu_glu: bool = False, out: torch.Tensor | None = None, pdl: bool | None = None) -> torch.Tensor:
     """x [T, K] @ weight[N, K]ᵀ -> [T, N] in x's dtype, fp32 accumulation. `config` (BLOCK_N, BLOCK_K, warps,
-    stages, splits of K): a long input over few output rows fills the SMs only when split. With silu_glu,
+    stages, splits of K; None: `kernel_plan.gemv_config` for x's device): a long input over few output rows
+    fills the SMs only when split. With silu_glu,
     x is [T, 2K] gate | up and the product is with SiLU(gate)·up rounded to x's dtype (the SiLU-GLU of
     `GLU`), computed as the rows are read. `out` [T, N] (e.g. fp32, unit-stride rows): written in place
     with the values rounded to x's dtype, and returned. pdl (default: `PDL` on a GPU of compute
@@ -103,7 +95,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int
     assert weight.stride(-1) == 1 and x.shape[1] == (2 * k if silu_glu else k)
     y = torch.empty(t, n, dtype=x.dtype, device=x.device) if out is None else out
     assert y.shape == (t, n) and y.stride(-1) == 1
-    bn, bk, warps, stages, split = config or CONFIGS.get((n, k), DEFAULT)
+    if config is None:
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
+        config = gemv_config(n, k, silu_glu, sms)
+    bn, bk, warps, stages, split = config
     ks = triton.cdiv(triton.cdiv(k, split), bk) * bk  # whole column blocks per split
     split = triton.cdiv(k, ks)
     blocks = triton.cdiv(n, bn)
@@ -123,13 +118,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int
     return y
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear without bias; a single token on the GPU fast path goes through `gemv` (no autograd) where
-    the weight's shape has a measured config. `out` (any float dtype): receives the result in x's dtype's
-    values (the logits buffer: the GEMV stores into it directly, one conversion kernel fewer)."""
-    if (x.dim() == 2 and x.shape[0] == 1 and tuple(weight.shape) in CONFIGS and x.dtype == weight.dtype
-            and x.dtype in (torch.bfloat16, torch.float16) and no_grad_fast_path(x, weight)
-            and (out is None or out.stride(-1) == 1)):
-        return gemv(x, weight, out=out)
+def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
+           config: GemvConfig | None = None) -> torch.Tensor:
+    """F.linear without bias, or `gemv` with the tiles `config` when the kernel plan gives them (one token
+    of a 16-bit dtype on the GPU: `KernelPlan.linear_gemv`). `out` (any float dtype): receives the result
+    in x's dtype's values (the logits buffer: the GEMV stores into it directly, one conversion kernel
+    fewer)."""
+    if config is not None:
+        return gemv(x, weight, config, out=out)
     y = F.linear(x, weight)
     return y if out is None else out.copy_(y)

@@ -1,18 +1,21 @@
-"""When the layers take the GPU fast path (DESIGN.md §6): CUDA tensors, the kernel libraries importable,
-and no `reference_ops()` block active. The torch references stay the specification; tests switch the
-fast path off to compute them on the same device."""
+"""Shared facts behind kernel choice: which kernel libraries are importable, the compute capability, and
+the `reference_ops()` switch. The layers take their kernels from the model's kernel plan
+(ops/kernel_plan.py, docs/ARCHITECTURE.md §7); elementwise ops with no choice to plan (the RMSNorm kernel)
+ask `fast_path` per call. The torch references stay the specification; tests switch the kernels off to
+compute them on the same device."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import importlib.util
-import os
 from collections.abc import Iterator
 
 import torch
 
-_forced_reference = os.environ.get("HYSERVE_REFERENCE_OPS", "0") == "1"
+from hyserve import envs
+
+_forced_reference = False  # inside reference_ops()
 
 
 @functools.cache
@@ -25,15 +28,25 @@ def has_fla() -> bool:
     return importlib.util.find_spec("fla") is not None
 
 
+def references_forced() -> bool:
+    """Inside `reference_ops()`, or HYSERVE_REFERENCE_OPS=1."""
+    return _forced_reference or envs.get().reference_ops
+
+
 def fast_path(x: torch.Tensor) -> bool:
     """True where the Triton kernels may run on x (a CUDA tensor, Triton present, not forced off)."""
-    return x.is_cuda and not _forced_reference and has_triton()
+    return x.is_cuda and not references_forced() and has_triton()
+
+
+def records_grad(*tensors: torch.Tensor) -> bool:
+    """Whether autograd records through any of `tensors`: kernels without a backward then stand aside
+    (training on the GPU keeps the torch reference there)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def no_grad_fast_path(x: torch.Tensor, *params: torch.Tensor) -> bool:
-    """fast_path(x) for a kernel without a backward: off while autograd records through x or params
-    (training on the GPU keeps the torch reference there)."""
-    return fast_path(x) and not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *params)))
+    """fast_path(x) for a kernel without a backward: off while autograd records through x or params."""
+    return fast_path(x) and not records_grad(x, *params)
 
 
 def sm90(x: torch.Tensor) -> bool:
@@ -52,12 +65,6 @@ def pow2_dims(*dims: int) -> bool:
     """Whether every dim is a power of two: the Triton kernels span a head or latent row with one
     tl.arange, which must be. Layers with other widths (small test checkpoints) take the torch path."""
     return all(d > 0 and d & (d - 1) == 0 for d in dims)
-
-
-def dsa_fast_path(x: torch.Tensor) -> bool:
-    """The DSA Triton kernels (index scoring + top-k, sparse MLA) wherever the fast path runs;
-    HYSERVE_DSA_TRITON=0 keeps the torch references on CUDA (to bisect a kernel against them)."""
-    return fast_path(x) and os.environ.get("HYSERVE_DSA_TRITON", "1") != "0"
 
 
 @contextlib.contextmanager

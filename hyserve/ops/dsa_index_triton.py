@@ -22,13 +22,12 @@ keys — is exact: no tie is left for topk to break arbitrarily.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from hyserve.ops import dsa_indexer as dsa
+from hyserve.ops.kernel_plan import dsa_fp8_dot
 
 _FMT_CODES = {"fp8": 0, "mxfp4": 1}
 _LOW32 = 0xFFFFFFFF
@@ -172,7 +171,8 @@ def index_sort_keys(
     FP8 keys on a GPU meet the queries in an FP8 tensor-core dot (`fp8_dot`, the default there): the
     products are exact but Hopper keeps fewer accumulator bits, so scores are about 2e-4 (relative) off the
     fp32 sums, inside the R1 contract's 1e-3 band around the k-th score (spec §4.6), and the kernel reads
-    the keys 1.3-1.6x faster. `fp8_dot=False` or HYSERVE_DSA_EXACT_SCORES=1 takes an fp16 dot instead
+    the keys 1.3-1.6x faster. `fp8_dot=False` (None: `kernel_plan.dsa_fp8_dot`, off with
+    HYSERVE_DSA_EXACT_SCORES=1) takes an fp16 dot instead
     (e4m3 values are exact in fp16, sums in fp32: only their order differs from the reference).
     """
     t, h, d = q8.shape
@@ -181,7 +181,7 @@ def index_sort_keys(
     if keys.shape[-1] != dsa.key_record_bytes(fmt, d):
         raise ValueError(f"key records are {keys.shape[-1]} bytes, {fmt} with D={d} needs {dsa.key_record_bytes(fmt, d)}")
     if fp8_dot is None:
-        fp8_dot = fmt == "fp8" and q8.is_cuda and d >= 32 and os.environ.get("HYSERVE_DSA_EXACT_SCORES", "0") != "1"
+        fp8_dot = dsa_fp8_dot(fmt, d, q8.is_cuda)
     if fp8_dot and (fmt != "fp8" or not q8.is_cuda or d < 32):
         raise ValueError(f"the FP8 dot reads FP8 keys with D >= 32 on a GPU, not {fmt} keys with D={d} on {q8.device}")
     hp = triton.next_power_of_2(h)
@@ -222,6 +222,7 @@ def topk_from_sort_keys(comp: torch.Tensor, positions: torch.Tensor, k: int) -> 
 def index_topk_fast(
     q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, layer: int, fmt: str, block_tables: torch.Tensor,
     query_lens: list[int], context_lens: list[int], positions: torch.Tensor, topk: int, ue8m0: bool = False,
+    fp8_dot: bool | None = None,
 ) -> torch.Tensor:
     """Selected positions [T, min(topk, max context)] long (-1 = none) for the step's query rows.
 
@@ -234,13 +235,15 @@ def index_topk_fast(
     width = max(context_lens)
     cap = max(1, dsa.WORKSPACE_BYTES // (16 * width))  # the keys and torch.topk's copy of them
     if len(query_lens) == q.shape[0] or q.shape[0] <= cap:  # decode, or small enough: one pass
-        comp = index_sort_keys(q8, w_folded, keys, layer, fmt, block_tables, query_lens, positions, width)
+        comp = index_sort_keys(q8, w_folded, keys, layer, fmt, block_tables, query_lens, positions, width,
+                               fp8_dot=fp8_dot)
         return topk_from_sort_keys(comp, positions, topk)
     out = torch.full((q.shape[0], min(topk, width)), -1, dtype=torch.long, device=q.device)
     for tok0, tok1, seqs, lens, hi in _row_groups(query_lens, context_lens, cap):
         rows = slice(tok0, tok1)
         tables = block_tables[torch.tensor(seqs, device=block_tables.device)]
-        comp = index_sort_keys(q8[rows], w_folded[rows], keys, layer, fmt, tables, lens, positions[rows], hi)
+        comp = index_sort_keys(q8[rows], w_folded[rows], keys, layer, fmt, tables, lens, positions[rows], hi,
+                               fp8_dot=fp8_dot)
         sel = topk_from_sort_keys(comp, positions[rows], topk)
         out[rows, : sel.shape[1]] = sel
     return out

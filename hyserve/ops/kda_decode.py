@@ -28,6 +28,7 @@ import triton.language as tl
 
 from hyserve.ops.arrival import arrival_counters
 from hyserve.ops.dispatch import use_pdl
+from hyserve.ops.kernel_plan import KDA_FUSED_NORM_BELOW_PAIRS, KDA_STREAM_BELOW_PAIRS
 
 
 @triton.jit
@@ -159,9 +160,9 @@ def _delta_step(m, q, k, v, decay, beta):
     return m, tl.sum(m * q[None, :], axis=1)
 
 
-# Cache hints on the state's load (evict first) and store (streaming). None: on below 8192 (sequence,
-# head) pairs, where they measured faster (H200, graph replay, batch 64: 85.6 against 87.0 µs), off from
-# there (batch 256: 344.5 against 333.2 µs); True/False force them (ablations).
+# Cache hints on the state's load (evict first) and store (streaming). None: on below
+# KDA_STREAM_BELOW_PAIRS (sequence, head) pairs (ops/kernel_plan.py has the measurements), off from
+# there; True/False force them (ablations).
 STATE_STREAM: bool | None = None
 # The state kernel's grid with the V blocks of a head as its fastest dimension: programs launched one
 # after another read one head's state rows one after another (contiguous 4 KB pieces of its 64 KB), in
@@ -263,9 +264,8 @@ def kda_decode_multi(
     logits (each may be a column slice of a wider projection: only the last dim must be unit-stride);
     slots, fresh [N]; conv_pool [slots, 3P, W-1] and rec_pool [slots, H, V, K] are this layer's views.
     fused_finish: the output norm by the last state program of each head (True) or as a third launch
-    (False); None: fused below 528 (sequence, head) pairs, where it measured faster (H200, graph replay,
-    batch 1: 6.9 against 7.0 µs), a third launch from there (batch 64: 81.2 against 84.8 µs, batch 256:
-    311.8 against 321.2 µs, the state grid V-blocks-first).
+    (False); None: the kernel plan's rule (ops/kernel_plan.py: fused below 528 (sequence, head) pairs, where
+    it measured faster on an H200, a third launch from there).
     pdl (default: on a CUDA GPU of compute capability 9+; ignored elsewhere): the state kernel is launched
     as a programmatic dependent of the prep kernel and loads its state rows while the prep kernel still
     runs (same results, bit for bit; 0.93x the time at batch 1, even at 64 and 256 on an H200). One
@@ -290,12 +290,13 @@ def kda_decode_multi(
     lb, bounded = 0.0 if lower_bound is None else float(lower_bound), lower_bound is not None
     # measured on an H200 (graph replay, 32 heads x 128): batch 1 best with 8 rows on 4 warps, batch 64 with
     # 8 rows on 2 warps (82% of copy with the third launch), batch 256 with 32 rows on one warp (86%)
-    bv_default, warps_default = (8, 4) if n * h < 4 * 132 else (8, 2) if n * h < 8192 else (32, 1)
+    few, many = n * h < KDA_FUSED_NORM_BELOW_PAIRS, n * h >= KDA_STREAM_BELOW_PAIRS
+    bv_default, warps_default = (8, 4) if few else (32, 1) if many else (8, 2)
     bv = min(block_v or bv_default, kd)  # never more rows than V: rows past it are another head's
     num_warps = num_warps or warps_default
     if fused_finish is None:
-        fused_finish = n * h < 4 * 132
-    stream = x.is_cuda and (n * h < 8192 if STATE_STREAM is None else STATE_STREAM)
+        fused_finish = few
+    stream = x.is_cuda and (not many if STATE_STREAM is None else STATE_STREAM)
     pdl = use_pdl(x, pdl)
     qkvg = torch.empty(n * t, h, 4, kd, dtype=torch.float32, device=x.device)
     beta = torch.empty(n * t, h, dtype=torch.float32, device=x.device)

@@ -52,6 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hyserve.ops.kernel_plan import MLA_WGMMA_MIN_TILES
 from hyserve.ops.ptx import prefetch_l2
 
 
@@ -251,10 +252,6 @@ def _mla_combine_kernel(
 
 
 LAYOUTS = ("auto", "rows", "heads", "heads64", "wgmma")
-# "auto" takes the Gluon kernel where it runs and each split walks at least this many tiles; shorter
-# splits take "heads" (H200, cold L2: batch 8 x 32K, 32 tiles a split: 100.0 µs against 114.8; 64 x 8K,
-# 64 tiles: 167.8 against 210.2; batch 1 x 32K, 4 tiles: 35.0 against 31.9)
-WGMMA_MIN_TILES = 8
 
 
 def _wgmma_unsupported(q_full: torch.Tensor, pages: torch.Tensor, block_n: int, r: int, dr: int) -> str | None:
@@ -301,8 +298,8 @@ def mla_decode_latent(
     block_tables [N, B]; context_lens [N] on the device; max_context bounds them on the host (a CUDA
     graph passes max_model_len) and sets the number of splits, over which each sequence spreads its own
     context. Knobs (benchmarks/gpu_kernels.py --only mla sweeps them on cold-L2 graph replays):
-    layout "auto" (the default): "wgmma" where it runs and each split walks at least WGMMA_MIN_TILES
-    tiles, else "heads"; "wgmma" = the Gluon kernel of `mla_decode_wgmma` (rows as M of both products,
+    layout "auto" (the default): "wgmma" where it runs and each split walks at least MLA_WGMMA_MIN_TILES
+    tiles (ops/kernel_plan.py, with its measurements), else "heads"; "wgmma" = the Gluon kernel of `mla_decode_wgmma` (rows as M of both products,
     one warpgroup, its own double buffering; Hopper, bf16/fp16 rows, block_n 64; num_warps and
     num_stages do not apply to it); "heads" = heads as M (mma.sync); "rows" = rows as M in Triton;
     "heads64" = heads padded to a block of 64 with zero queries. block_n = rows per tile (a power of two
@@ -343,7 +340,7 @@ def mla_decode_latent(
         why = _wgmma_unsupported(q_full, pages, block_n, r, dr)
         if layout == "wgmma" and why:
             raise ValueError(f"layout 'wgmma': {why}")
-        long_splits = triton.cdiv(tiles, num_splits) >= WGMMA_MIN_TILES
+        long_splits = triton.cdiv(tiles, num_splits) >= MLA_WGMMA_MIN_TILES
         layout = "wgmma" if why is None and long_splits else "heads"
     if prefetch is None:
         prefetch = 0 if layout == "wgmma" else 2
@@ -398,20 +395,21 @@ def combine_splits(part: torch.Tensor, lse: torch.Tensor, pdl: bool = False,
 def mla_absorbed_decode_fast(
     q_nope: torch.Tensor, q_rope: torch.Tensor, pages: torch.Tensor, layer: int, block_tables: torch.Tensor,
     context_lens: torch.Tensor, max_context: int, kv_b: torch.Tensor, kv_lora_rank: int, v_head_dim: int,
-    scale: float,
+    scale: float, layout: str = "auto",
 ) -> torch.Tensor:
     """Same contract as `mla_attention.mla_absorbed_decode` (plus max_context); returns o [N, H, d_v] in
-    the model dtype. q_lat = W_UKᵀ q_n and o = W_UV o_lat are batched GEMMs over heads."""
+    the model dtype. q_lat = W_UKᵀ q_n and o = W_UV o_lat are batched GEMMs over heads. `layout`: the split
+    kernel's (`mla_decode_latent`; the kernel plan passes "heads" where the Gluon kernel cannot run)."""
     n, h, dn = q_nope.shape
     w = kv_b.view(h, dn + v_head_dim, kv_lora_rank)
     q_lat = torch.bmm(q_nope.transpose(0, 1), w[:, :dn])  # [H, N, R]
     if q_lat.dtype == q_rope.dtype == pages.dtype and q_rope.stride(-1) == 1:  # the kernel reads both in place
         o_lat = mla_decode_latent(q_lat.transpose(0, 1), pages[:, layer], block_tables, context_lens, max_context,
-                                  scale, kv_lora_rank, q_rope=q_rope, out_dtype=kv_b.dtype)
+                                  scale, kv_lora_rank, layout=layout, q_rope=q_rope, out_dtype=kv_b.dtype)
     else:  # a cast to the cache's dtype (FP8 rows) as one row
         q_full = torch.cat([q_lat.transpose(0, 1), q_rope.to(q_lat.dtype)], -1).to(pages.dtype)
         o_lat = mla_decode_latent(q_full, pages[:, layer], block_tables, context_lens, max_context, scale,
-                                  kv_lora_rank, out_dtype=kv_b.dtype)
+                                  kv_lora_rank, layout=layout, out_dtype=kv_b.dtype)
     o = torch.bmm(o_lat.transpose(0, 1), w[:, dn:].transpose(1, 2))  # [H, N, d_v]
     return o.transpose(0, 1)
 

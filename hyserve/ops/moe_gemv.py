@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from hyserve.ops.dispatch import sm90
+from hyserve.ops.kernel_plan import MOE_GEMV_SMALL_PAIRS
 from hyserve.ops.ptx import prefetch_l2
 
 
@@ -189,7 +190,8 @@ def experts_forward_gemv(
 ) -> torch.Tensor | PairParts:
     """Same contract as `moe.experts_forward`, plus the shared expert's output when `shared` (a DenseMLP
     that `shared_fits`) is given. Meant for T·k up to a few dozen pairs. `up` and `down` are each
-    kernel's (BLOCK_N rows, BLOCK_K, num_warps, num_stages). `pdl` (default: up to 16 pairs on a GPU of
+    kernel's (BLOCK_N rows, BLOCK_K, num_warps, num_stages). `pdl` (default: up to MOE_GEMV_SMALL_PAIRS = 16
+    pairs (ops/kernel_plan.py) on a GPU of
     compute capability 9 or later) launches the down and sum kernels as programmatic dependents of the kernel
     before each, where the activation is read inside the down kernel (SiLU-GLU). summed=False returns the
     unsummed `PairParts` (tokens present) for the kernel after it to sum."""
@@ -197,7 +199,8 @@ def experts_forward_gemv(
     # the best of a sweep on an H200 (48B shape with the shared expert, CUDA-graph replay): up 2.98 TB/s at
     # 1 token and 4.02 at 8; down 2.90 TB/s at 1 token, 3.60 at 8 with the smaller tile
     up = up or (32, 128, 8, 4)
-    down = down or ((32, 256, 8, 3) if t * k <= 16 else (16, 128, 4, 4))
+    small = t * k <= MOE_GEMV_SMALL_PAIRS
+    down = down or ((32, 256, 8, 3) if small else (16, 128, 4, 4))
     inter, d = w13.shape[1] // 2, w13.shape[2]
     if t == 0:
         return x.new_zeros(0, d)
@@ -214,7 +217,7 @@ def experts_forward_gemv(
     h = torch.empty(t * pairs, 2 * inter, dtype=x.dtype, device=x.device)
     silu = getattr(act, "kind", None) == "silu"
     # PDL measured 1.03x at 1 token and 0.93x at 8 (48B shape, H200 graph replays, 2026-11-30)
-    pdl = t * k <= 16 and _pdl_ok(x, w2, shared) if pdl is None else pdl
+    pdl = small and _pdl_ok(x, w2, shared) if pdl is None else pdl
     pdl = pdl and silu and x.is_cuda  # PTX only: the CPU interpreter never sees it
     _up_kernel[(t * pairs, triton.cdiv(2 * inter, up_n))](
         x, x.stride(0), w13, w13.stride(0), w13.stride(1), ids, offs[0], offs[1], h, h.stride(0), inter, d,

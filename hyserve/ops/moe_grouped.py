@@ -1,5 +1,7 @@
-"""Routed experts as two grouped GEMMs (DESIGN.md §6): token copies sorted by expert, one
-`torch._grouped_mm` for w1|w3 over all experts and one for w2, then the weighted sum back per token.
+"""Routed experts as two grouped GEMMs: token copies sorted by expert, one `torch._grouped_mm` for w1|w3
+over all experts and one for w2, then the weighted sum back per token. It has a backward, so the kernel
+plan takes it where autograd records (bf16 operands with 16-byte aligned rows on an sm90+ GPU, the op's
+kernels; docs/ARCHITECTURE.md §7); ops/moe_triton.py is faster without autograd.
 
 No host synchronisation (the group offsets stay on the device), so it can run inside a CUDA graph.
 Same contract as `moe.experts_forward`; the routing stays in torch (`moe.route`).
@@ -10,18 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-
-from hyserve.ops.dispatch import sm90
-
-
-def grouped_mm_available(x: torch.Tensor, w13: torch.Tensor) -> bool:
-    """bf16 operands with 16-byte aligned rows on an sm90+ GPU (the op's kernels), and a torch that has
-    the op; elsewhere ops/moe_triton.py runs the same grouped GEMMs."""
-    return (
-        hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16 and w13.dtype == torch.bfloat16
-        and x.shape[-1] % 8 == 0 and w13.shape[1] % 16 == 0
-        and sm90(x)
-    )
 
 
 def experts_forward_grouped(

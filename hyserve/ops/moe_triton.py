@@ -1,6 +1,6 @@
-"""Routed experts as Triton grouped GEMMs, for GPUs or dtypes without `torch._grouped_mm` (which
-needs bf16 on sm90+): the "otherwise a Triton kernel" of DESIGN.md §6. Same contract as
-`moe.experts_forward`.
+"""Routed experts as Triton grouped GEMMs: the kernel plan's choice past the decode GEMV for 16-bit
+activations on every GPU (faster than `torch._grouped_mm`, which needs bf16 on sm90+; docs/ARCHITECTURE.md
+§7). Same contract as `moe.experts_forward`.
 
 The (token, expert) pairs are sorted by expert, and each expert's run is padded to whole tiles of BM
 pairs, so every tile of a GEMM belongs to one expert: a tile multiplies its BM token rows by that
@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hyserve.ops.kernel_plan import MOE_TENSOR_CORE_PAIRS_PER_EXPERT
 from hyserve.ops.moe_gemv import sum_pairs
 
 
@@ -179,7 +180,7 @@ def experts_forward_triton(
         return x.new_zeros(0, d)
     n_pairs = t * k
     silu = getattr(act, "kind", None) == "silu"
-    large = n_pairs >= 32 * e
+    large = n_pairs >= MOE_TENSOR_CORE_PAIRS_PER_EXPERT * e
     fuse_glu = silu and large if fuse_glu is None else fuse_glu and silu
     if x.element_size() == 2 and large:
         block_m, up, down = block_m or 128, up or (128, 64, 8, 4), down or (256, 64, 8, 4)

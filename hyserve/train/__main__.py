@@ -96,15 +96,15 @@ def fit(args: argparse.Namespace, deadline: float = float("inf")) -> dict:
     examples = load_examples(os.path.join(args.data, "train.pt"))
     if args.check:  # the fla training path against the torch reference, same weights, one small batch
         from hyserve.ops.dispatch import reference_ops
-        from hyserve.train.packed import masked_lm_loss, training_kernels
+        from hyserve.train.packed import masked_lm_loss
 
         few = examples[:8]
+        plan = model.kernel_plan.for_training()
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-            with training_kernels(model) as used:
-                fast = masked_lm_loss(model, [e[0] for e in few], [e[1] for e in few])[0].item()
+            fast = masked_lm_loss(model, [e[0] for e in few], [e[1] for e in few], plan)[0].item()
             with reference_ops():
                 ref = masked_lm_loss(model, [e[0] for e in few], [e[1] for e in few])[0].item()
-        print(f"check: fla path used={used} loss {fast:.5f}, reference {ref:.5f}", flush=True)
+        print(f"check: fla path used={plan.train_fla} loss {fast:.5f}, reference {ref:.5f}", flush=True)
     cfg = TrainConfig(lr=args.lr, rows=args.rows, row_len=args.row_len, max_steps=args.max_steps,
                       time_budget_s=args.time_budget, autotune_configs=args.autotune_configs, seed=args.seed,
                       log_every=args.log_every)

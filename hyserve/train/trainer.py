@@ -135,7 +135,7 @@ def train(
     """Train in place on fixed-shape steps. Two untimed forward+backward passes on the first batch come
     first (kernel compilation and autotuning, then one steady step to time); the wall-clock budget and
     the schedule cover the training steps only, and end by `deadline` (a time.perf_counter() value)."""
-    from hyserve.train.packed import limit_fla_autotune, row_batch, row_lm_loss, scratch_cache, training_kernels
+    from hyserve.train.packed import limit_fla_autotune, row_batch, row_lm_loss, scratch_cache
     from hyserve.train.rows import row_batches
 
     dev = model.device
@@ -154,55 +154,57 @@ def train(
     step_tokens = cfg.rows * cfg.row_len
     log = TrainLog(losses=[])
 
+    plan = model.kernel_plan.for_training(fla=use_fla)
+    log.used_fla = plan.train_fla
+
     def loss_of(rb) -> torch.Tensor:
         with autocast:
-            return row_lm_loss(model, rb, batch, cache)
+            return row_lm_loss(model, rb, batch, cache, plan)
 
-    with training_kernels(model, enable=use_fla) as log.used_fla:
-        if log.used_fla and cfg.autotune_configs:
-            print(f"fla autotuners trimmed to {cfg.autotune_configs} configs: "
-                  f"{limit_fla_autotune(cfg.autotune_configs)}", flush=True)
-        first = next(batches)
-        t0 = time.perf_counter()
-        for i in range(2):  # compile + autotune, then a steady pass to time; no optimizer step
-            t1 = time.perf_counter()
-            loss_of(first).backward()
-            opt.zero_grad(set_to_none=True)
-            _sync(dev)
-            if i == 0:
-                log.warmup_s = time.perf_counter() - t0
-        log.step_s = time.perf_counter() - t1
-        balancer.reset()
-        # what is left of the deadline once the warm-up is paid for bounds the schedule's budget
-        cfg = dataclasses.replace(cfg, time_budget_s=min(cfg.time_budget_s, deadline - time.perf_counter()))
-        log.budget_s = min(cfg.time_budget_s, 1e12)  # JSON has no inf
-        if progress:
-            planned = min(cfg.max_steps, int(cfg.time_budget_s / max(log.step_s, 1e-9)))
-            print(f"warm-up {log.warmup_s:.1f}s; a step of {step_tokens} tokens takes {log.step_s * 1e3:.0f} ms "
-                  f"(fla={log.used_fla}): about {planned} steps in the budget", flush=True)
-        start = time.perf_counter()
-        for step, rb in enumerate(batches):
-            elapsed = time.perf_counter() - start
-            if step >= cfg.max_steps or elapsed >= cfg.time_budget_s:
-                break
-            for group in opt.param_groups:
-                group["lr"] = lr_at(cfg, step, elapsed)
-            loss = loss_of(rb)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            opt.step()
-            balancer.update()
-            log.steps, log.tokens = step + 1, log.tokens + step_tokens
-            log.trained_tokens += rb.trained_tokens
-            if step % cfg.log_every == 0 or step < 5:
-                log.losses.append(loss.item())  # a host sync, only at log points
-                if progress:
-                    dt = time.perf_counter() - start
-                    print(f"step {step} loss {log.losses[-1]:.3f} lr {opt.param_groups[0]['lr']:.2e} "
-                          f"{log.tokens / dt:,.0f} tok/s {dt:.0f}s", flush=True)
+    if log.used_fla and cfg.autotune_configs:
+        print(f"fla autotuners trimmed to {cfg.autotune_configs} configs: "
+              f"{limit_fla_autotune(cfg.autotune_configs)}", flush=True)
+    first = next(batches)
+    t0 = time.perf_counter()
+    for i in range(2):  # compile + autotune, then a steady pass to time; no optimizer step
+        t1 = time.perf_counter()
+        loss_of(first).backward()
+        opt.zero_grad(set_to_none=True)
         _sync(dev)
-        log.train_s = time.perf_counter() - start
+        if i == 0:
+            log.warmup_s = time.perf_counter() - t0
+    log.step_s = time.perf_counter() - t1
+    balancer.reset()
+    # what is left of the deadline once the warm-up is paid for bounds the schedule's budget
+    cfg = dataclasses.replace(cfg, time_budget_s=min(cfg.time_budget_s, deadline - time.perf_counter()))
+    log.budget_s = min(cfg.time_budget_s, 1e12)  # JSON has no inf
+    if progress:
+        planned = min(cfg.max_steps, int(cfg.time_budget_s / max(log.step_s, 1e-9)))
+        print(f"warm-up {log.warmup_s:.1f}s; a step of {step_tokens} tokens takes {log.step_s * 1e3:.0f} ms "
+              f"(fla={log.used_fla}): about {planned} steps in the budget", flush=True)
+    start = time.perf_counter()
+    for step, rb in enumerate(batches):
+        elapsed = time.perf_counter() - start
+        if step >= cfg.max_steps or elapsed >= cfg.time_budget_s:
+            break
+        for group in opt.param_groups:
+            group["lr"] = lr_at(cfg, step, elapsed)
+        loss = loss_of(rb)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        balancer.update()
+        log.steps, log.tokens = step + 1, log.tokens + step_tokens
+        log.trained_tokens += rb.trained_tokens
+        if step % cfg.log_every == 0 or step < 5:
+            log.losses.append(loss.item())  # a host sync, only at log points
+            if progress:
+                dt = time.perf_counter() - start
+                print(f"step {step} loss {log.losses[-1]:.3f} lr {opt.param_groups[0]['lr']:.2e} "
+                      f"{log.tokens / dt:,.0f} tok/s {dt:.0f}s", flush=True)
+    _sync(dev)
+    log.train_s = time.perf_counter() - start
     model.eval().requires_grad_(False)
     return log
 

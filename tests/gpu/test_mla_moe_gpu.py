@@ -394,9 +394,14 @@ def test_gemv_with_pdl_after_the_kernel_that_writes_x_equals_the_plain_launch(n,
 
 def test_one_token_dense_mlp_matches_the_fp32_mlp():
     """The 48B layer-0 MLP (9216 wide) on one token: gate | up as one GEMM, the SiLU-GLU read by the split
-    down GEMV."""
+    down GEMV, as the 48B model's kernel plan on this GPU picks them."""
+    from hyserve.models.config import parse_config
     from hyserve.models.layers.moe import DenseMLP
+    from hyserve.models.presets import preset_config
+    from hyserve.ops.device_spec import DeviceSpec
+    from hyserve.ops.kernel_plan import plan_kernels
 
+    plan = plan_kernels(parse_config(preset_config("kimi-linear-48b-a3b")), DeviceSpec.of("cuda"), torch.bfloat16)
     torch.manual_seed(7)
     mlp = DenseMLP(2304, 9216, GLU("silu")).cuda()
     for p in mlp.parameters():
@@ -405,7 +410,8 @@ def test_one_token_dense_mlp_matches_the_fp32_mlp():
     x = torch.randn(1, 2304, device="cuda").to(torch.bfloat16)
     g, u, d = (m.weight.float() for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
     with torch.no_grad():
-        got = mlp(x)
+        assert plan.dense_mlp_one_token(x, "silu", *mlp.parameters())
+        got = mlp(x, plan)
     want = GLU("silu")(x.float() @ g.t(), x.float() @ u.t()) @ d.t()
     assert got.dtype == torch.bfloat16 and rel_err(got, want) < 1e-2
 

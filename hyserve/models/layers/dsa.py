@@ -17,7 +17,7 @@ from hyserve.models.batch import Batch, CacheTensors, to_device
 from hyserve.models.config import ModelConfig
 from hyserve.models.layers.rope import Rotary
 from hyserve.ops import dsa_indexer as dsa
-from hyserve.ops.dispatch import dsa_fast_path, pow2_dims
+from hyserve.ops.kernel_plan import KernelPlan, active
 from hyserve.ops.sparse_mla import sparse_mla
 
 _K_NORM_EPS = 1e-6
@@ -67,7 +67,7 @@ class Indexer(nn.Module):
 
     def forward(
         self, x: torch.Tensor, q_lat: torch.Tensor, batch: Batch, cache: CacheTensors,
-        cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None, plan: KernelPlan | None = None,
     ) -> torch.Tensor:
         """Write the step's index keys; return the selected positions [T, k] (long, -1 = none)."""
         q, k, w = self.project(x, q_lat, cos_sin)
@@ -76,12 +76,13 @@ class Indexer(nn.Module):
         keys, layer, bs = cache.index_keys, self.mla_index, cache.block_size
         dsa.write_key_records(keys, self.fmt, layer, batch.slot_mapping, dsa.encode_keys(k, self.fmt, self.ue8m0))
 
-        if dsa_fast_path(x) and pow2_dims(self.head_dim) and self.fmt != "raw" and max(batch.context_lens) > self.topk:
+        plan = active(plan)
+        if plan.dsa_index_kernel(max(batch.context_lens)) == "triton":
             from hyserve.ops.dsa_index_triton import index_topk_fast
 
             return index_topk_fast(
                 q, w, keys, layer, self.fmt, batch.block_tables, batch.query_lens, batch.context_lens,
-                batch.positions, self.topk, self.ue8m0,
+                batch.positions, self.topk, self.ue8m0, fp8_dot=plan.dsa_fp8_dot,
             )
         width = min(self.topk, max(batch.context_lens))
         out = torch.full((x.shape[0], width), -1, dtype=torch.long, device=x.device)

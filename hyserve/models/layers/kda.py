@@ -13,7 +13,7 @@ from hyserve.models.batch import Batch, CacheTensors
 from hyserve.models.config import ModelConfig
 from hyserve.models.layers.norm import gated_rms_norm, l2_normalize
 from hyserve.ops import kda as kda_ops
-from hyserve.ops.dispatch import fast_path, has_fla, pow2_dims
+from hyserve.ops.kernel_plan import KernelPlan, active
 
 
 def _linear(i: int, o: int) -> nn.Linear:
@@ -46,13 +46,14 @@ class KimiDeltaAttention(nn.Module):
             return self.g_proj(x)
         return self.g_b_proj(self.g_a_proj(x))
 
-    def forward(self, x: torch.Tensor, batch: Batch, cache: CacheTensors) -> torch.Tensor:
-        # the decode kernel spans a head with one tl.arange; fla's chunk kernels need tl.dot tiles of 16+
-        k = self.head_dim
-        if fast_path(x) and pow2_dims(k) and (batch.decode_only or (has_fla() and k >= 16)):
+    def forward(self, x: torch.Tensor, batch: Batch, cache: CacheTensors, plan: KernelPlan | None = None) -> torch.Tensor:
+        plan = active(plan)
+        if plan.train_fla:
+            return self.train_forward(x, batch)
+        if plan.kda_kernels(batch.decode_only):
             from hyserve.models.layers.kda_fast import kda_forward_fast
 
-            return kda_forward_fast(self, x, batch, cache)
+            return kda_forward_fast(self, x, batch, cache, plan)
         t, h, k = x.shape[0], self.num_heads, self.head_dim
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)  # pre-conv, model dtype
         g = kda_ops.kda_gate(self.f_b_proj(self.f_a_proj(x)).view(t, h, k), self.A_log, self.dt_bias, self.lower_bound)
@@ -73,6 +74,31 @@ class KimiDeltaAttention(nn.Module):
         gate = self.output_gate(x).view(t, h, k)
         out = gated_rms_norm(o, gate, self.o_norm_weight, self.eps).reshape(t, h * k)
         return self.o_proj(out.to(x.dtype))
+
+    def train_forward(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """The training plan's KDA (CUDA + fla-core): fresh whole sequences through fla `chunk_kda`, which
+        has a backward, with autograd through every projection (the serving path merges its weights
+        detached). The reference layer's function; no state is read or written: training never decodes."""
+        from fla.ops.kda import chunk_kda
+
+        from hyserve.ops.kda_prefill import causal_conv_varlen
+
+        t, h, k = x.shape[0], self.num_heads, self.head_dim
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
+        tails = qkv.new_zeros(batch.num_seqs, 3 * h * k, self.conv_weight.shape[1] - 1)
+        y, _ = causal_conv_varlen(qkv, self.conv_weight, batch.cu_seqlens, tails)
+        q, kk, v = (z.contiguous() for z in y.view(t, 3, h, k).unbind(1))
+        f = self.f_b_proj(self.f_a_proj(x)).view(t, h, k)
+        # host-side offsets from the host lengths: `batch.cu_seqlens.cpu()` would sync with the GPU per layer
+        cu_host = torch.tensor([0] + batch.query_lens, dtype=torch.long).cumsum(0)
+        o, _ = chunk_kda(
+            q[None], kk[None], v[None], f[None], self.b_proj(x)[None], scale=k**-0.5, initial_state=None,
+            output_final_state=False, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+            use_beta_sigmoid_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound,
+            safe_gate=self.lower_bound is not None, cu_seqlens=batch.cu_seqlens, cu_seqlens_cpu=cu_host,
+        )
+        out = gated_rms_norm(o[0], self.output_gate(x).view(t, h, k), self.o_norm_weight, self.eps)
+        return self.o_proj(out.reshape(t, h * k).to(x.dtype))
 
     def _split_qkv(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n, h, k = y.shape[0], self.num_heads, self.head_dim

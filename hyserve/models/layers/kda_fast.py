@@ -1,4 +1,4 @@
-"""The GPU path of the KDA layer (DESIGN.md §6): one merged input GEMM, the fused Triton decode kernel
+"""The GPU path of the KDA layer (docs/ARCHITECTURE.md §7): one merged input GEMM, the fused Triton decode kernel
 for one-token sequences, and fla `chunk_kda` over all prefill sequences of the step in one varlen call.
 Same function as `KimiDeltaAttention.forward` (the reference), up to bf16 rounding."""
 
@@ -14,6 +14,7 @@ from hyserve.ops.kda_conv import causal_conv_varlen_triton
 from hyserve.ops.kda_decode import kda_decode
 from hyserve.ops.kda_out_norm import gated_rms_norm_rows
 from hyserve.ops.kda_prefill import chunk_kda_varlen
+from hyserve.ops.kernel_plan import KernelPlan
 
 
 def merged_in_proj(layer) -> tuple[torch.Tensor, list[int]]:
@@ -36,7 +37,7 @@ def _token_index(cu: list[int], seqs: list[int], device: torch.device) -> torch.
     return torch.cat([torch.arange(cu[i], cu[i + 1]) for i in seqs]).to(device, non_blocking=True)
 
 
-def kda_forward_fast(layer, x: torch.Tensor, batch: Batch, cache: CacheTensors) -> torch.Tensor:
+def kda_forward_fast(layer, x: torch.Tensor, batch: Batch, cache: CacheTensors, plan: KernelPlan) -> torch.Tensor:
     t, h, k = x.shape[0], layer.num_heads, layer.head_dim
     p, scale = h * k, layer.head_dim**-0.5
     w_in, split = merged_in_proj(layer)
@@ -53,8 +54,8 @@ def kda_forward_fast(layer, x: torch.Tensor, batch: Batch, cache: CacheTensors) 
     qlens = batch.query_lens
     if batch.decode_only:
         out = kda_decode(qkv, f, b, gate, *args, batch.state_slots, batch.fresh_state, scale, layer.eps,
-                         layer.lower_bound)
-        return linear(out, layer.o_proj.weight)
+                         layer.lower_bound, fused_finish=plan.kda_fused_norm(t * h))
+        return linear(out, layer.o_proj.weight, config=plan.linear_gemv(out, layer.o_proj.weight))
 
     out = torch.empty(t, p, dtype=x.dtype, device=x.device)
     dec = [i for i, n in enumerate(qlens) if n == 1]
@@ -66,7 +67,8 @@ def kda_forward_fast(layer, x: torch.Tensor, batch: Batch, cache: CacheTensors) 
         idx = to_device(dec, torch.long, x.device)
         tok = batch.cu_seqlens[idx]
         out[tok] = kda_decode(qkv[tok], f[tok], b[tok], gate[tok], *args, batch.state_slots[idx],
-                              batch.fresh_state[idx], scale, layer.eps, layer.lower_bound)
+                              batch.fresh_state[idx], scale, layer.eps, layer.lower_bound,
+                              fused_finish=plan.kda_fused_norm(len(dec) * h))
 
     pidx = to_device(pre, torch.long, x.device)
     tok = None if not dec else _token_index(cu_host, pre, x.device)
@@ -91,4 +93,4 @@ def kda_forward_fast(layer, x: torch.Tensor, batch: Batch, cache: CacheTensors) 
         out = o
     else:
         out[tok] = o
-    return linear(out, layer.o_proj.weight)
+    return linear(out, layer.o_proj.weight, config=plan.linear_gemv(out, layer.o_proj.weight))

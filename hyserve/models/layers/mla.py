@@ -15,7 +15,7 @@ from hyserve.models.layers.norm import RMSNorm
 from hyserve.models.layers.rope import Rotary
 from hyserve.ops import mla_attention as mla_ops
 from hyserve.ops.dense_gemv import linear
-from hyserve.ops.dispatch import dsa_fast_path, fast_path, pow2_dims
+from hyserve.ops.kernel_plan import REFERENCE, KernelPlan, active
 from hyserve.ops.mla_cache import write_cache_rows
 
 # q_a_layernorm / kv_a_layernorm use the class default eps, not rms_norm_eps (spec §1.4).
@@ -61,13 +61,18 @@ class MLAttention(nn.Module):
         ckv = self.kv_a_proj_with_mqa(x)
         return torch.cat([self.kv_a_layernorm(ckv[:, : self.rank]), ckv[:, self.rank :]], -1)
 
-    def forward(self, x: torch.Tensor, batch: Batch, cache: CacheTensors) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: Batch, cache: CacheTensors, plan: KernelPlan | None = None) -> torch.Tensor:
+        plan = active(plan)
+        if plan.training and self.indexer is None and uniform_rows(batch) is not None:
+            return self.train_forward(x, batch, plan)
         t = x.shape[0]
-        if self._fused_path(x, cache):
+        path = plan.mla_path(cache.pages.dtype, x.dtype)
+        if path == "merged" and self.indexer is None:
             q, ckv = self._project_fast(x)
             norm = self.kv_a_layernorm
             write_cache_rows(ckv, norm.weight, norm.eps, cache.pages, self.mla_index, batch.slot_mapping)
-            return self.project_out(self._attend_fast(q[..., : self.dn], q[..., self.dn :], batch, cache), x)
+            o = self._attend_fast(q[..., : self.dn], q[..., self.dn :], batch, cache, plan)
+            return self.project_out(o, x, plan)
         # the indexer reads the MLA query latent, so compute it once
         q_lat = self.q_a_layernorm(self.q_a_proj(x)) if self.indexer is not None else None
         q = self.query(x, q_lat)
@@ -80,22 +85,22 @@ class MLAttention(nn.Module):
         pages, layer, bs = cache.pages, self.mla_index, cache.block_size
         pages[batch.slot_mapping // bs, layer, batch.slot_mapping % bs] = rows.to(pages.dtype)
         if self.indexer is not None:
-            selected = self.indexer(x, q_lat, batch, cache, cos_sin)
-            if dsa_fast_path(x) and pow2_dims(self.rank, self.dr):
+            selected = self.indexer(x, q_lat, batch, cache, cos_sin, plan)
+            if plan.dsa_sparse_mla == "triton":
                 from hyserve.ops.sparse_mla_triton import sparse_mla_fast
 
                 o = sparse_mla_fast(
                     q_nope, q_rope, pages, layer, batch.block_tables, token_seq_ids(batch), selected,
                     self.kv_b_proj.weight, self.rank, self.dv, self.scale,
                 )
-                return self.project_out(o, x)
+                return self.project_out(o, x, plan)
             o = sparse_mla(
                 q_nope, q_rope, pages, layer, batch.block_tables, selected,
                 self.kv_b_proj.weight, self.rank, self.dv, self.scale, token_seq=token_seq_ids(batch),
             )
-            return self.project_out(o, x)
-        if fast_path(x) and pow2_dims(self.rank, self.dr):
-            return self.project_out(self._attend_fast(q_nope, q_rope, batch, cache), x)
+            return self.project_out(o, x, plan)
+        if path != REFERENCE:
+            return self.project_out(self._attend_fast(q_nope, q_rope, batch, cache, plan), x, plan)
 
         o = torch.empty(t, self.num_heads, self.dv, dtype=torch.float32, device=x.device)
         qlens, ctx = batch.query_lens, batch.context_lens
@@ -116,13 +121,31 @@ class MLAttention(nn.Module):
                 o[sl] = mla_ops.mla_expanded(
                     q_nope[sl], q_rope[sl], rows, self.kv_b_proj.weight, self.rank, self.dv, self.scale, ctx[i] - n
                 )
-        return self.project_out(o, x)
+        return self.project_out(o, x, plan)
 
-    def _fused_path(self, x: torch.Tensor, cache: CacheTensors) -> bool:
-        """The GPU path with the projections merged and the cache write in one kernel: plain MLA (no rope,
-        no indexer) with power-of-two widths and a cache in the model dtype."""
-        return (self.indexer is None and self.rotary is None and fast_path(x) and pow2_dims(self.rank, self.dr)
-                and cache.pages.dtype == x.dtype)
+    def train_forward(self, x: torch.Tensor, batch: Batch, plan: KernelPlan) -> torch.Tensor:
+        """The training plan's MLA over equal-length fresh rows: one causal SDPA over [rows, heads, row_len,
+        dim] (flash attention on the GPU) in the expanded form the reference prefill computes, instead of
+        one call per sequence over the paged cache; no cache row is written."""
+        row_len = uniform_rows(batch)
+        t, h, dn, dv, rank = x.shape[0], self.num_heads, self.dn, self.dv, self.rank
+        q = self.query(x)
+        rows = self.cache_rows(x)  # [T, rank + dr]: normed latent | shared rope key
+        q_nope, q_rope, k_rope = q[..., :dn], q[..., dn:], rows[:, rank:]
+        if self.rotary is not None:
+            cos, sin = self.rotary.cos_sin(batch.positions)
+            q_rope, k_rope = Rotary.apply(q_rope, cos, sin), Rotary.apply(k_rope, cos, sin)
+        kv = self.kv_b_proj(rows[:, :rank]).view(t, h, dn + dv)
+        k = torch.cat([kv[..., :dn], k_rope[:, None, :].to(kv.dtype).expand(-1, h, -1)], -1)
+        q = torch.cat([q_nope, q_rope], -1).to(k.dtype)
+        v = F.pad(kv[..., dn:], (0, k.shape[-1] - dv))  # the flash kernel wants v as wide as q and k
+
+        def heads_first(z: torch.Tensor) -> torch.Tensor:  # [T, H, d] -> [rows, H, row_len, d]
+            return z.view(t // row_len, row_len, h, -1).transpose(1, 2)
+
+        o = F.scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v), is_causal=True,
+                                           scale=self.scale)
+        return self.project_out(o.transpose(1, 2)[..., :dv].reshape(t, h, dv), x, plan)
 
     def _project_fast(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(q [T, H, d_n + d_r], the kv_a output [T, R + d_r]) from one GEMM over q (or q_a) | kv_a."""
@@ -133,7 +156,7 @@ class MLAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(q))
         return q.view(x.shape[0], self.num_heads, self.dn + self.dr), ckv
 
-    def _attend_fast(self, q_nope, q_rope, batch: Batch, cache: CacheTensors) -> torch.Tensor:
+    def _attend_fast(self, q_nope, q_rope, batch: Batch, cache: CacheTensors, plan: KernelPlan) -> torch.Tensor:
         """Triton absorbed decode for one-token sequences, flash SDPA on expanded K/V for the rest."""
         from hyserve.ops.mla_decode import mla_absorbed_decode_fast, mla_prefill_fast
 
@@ -143,17 +166,18 @@ class MLAttention(nn.Module):
         dec = [i for i, n in enumerate(qlens) if n == 1]
         pre = [i for i, n in enumerate(qlens) if n > 1]
         w = self.kv_b_proj.weight
+        layout = plan.mla_decode_layout
         if dec and not pre:  # the decode output is the whole output: no copy into o
             return mla_absorbed_decode_fast(
                 q_nope, q_rope, cache.pages, self.mla_index, batch.block_tables, batch.context_lens_device,
-                max(ctx), w, self.rank, self.dv, self.scale,
+                max(ctx), w, self.rank, self.dv, self.scale, layout,
             )
         if dec:
             idx = to_device(dec, torch.long, dev)
             tok = batch.cu_seqlens[idx]
             o[tok] = mla_absorbed_decode_fast(
                 q_nope[tok], q_rope[tok], cache.pages, self.mla_index, batch.block_tables[idx],
-                batch.context_lens_device[idx], max(ctx[i] for i in dec), w, self.rank, self.dv, self.scale,
+                batch.context_lens_device[idx], max(ctx[i] for i in dec), w, self.rank, self.dv, self.scale, layout,
             )
         if pre:
             cu = batch.cu_seqlens.tolist()
@@ -165,8 +189,15 @@ class MLAttention(nn.Module):
             )
         return o
 
-    def project_out(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def project_out(self, o: torch.Tensor, x: torch.Tensor, plan: KernelPlan) -> torch.Tensor:
         out = o.to(x.dtype).reshape(x.shape[0], self.num_heads * self.dv)
         if hasattr(self, "g_proj"):
             out = out * torch.sigmoid(self.g_proj(x))
-        return linear(out, self.o_proj.weight)
+        return linear(out, self.o_proj.weight, config=plan.linear_gemv(out, self.o_proj.weight))
+
+
+def uniform_rows(batch: Batch) -> int | None:
+    """The row length when every sequence is a fresh row of the same length (a training step), else None."""
+    n = batch.query_lens[0] if batch.query_lens else 0
+    same = all(q == n for q in batch.query_lens) and batch.context_lens == batch.query_lens
+    return n if same and n > 0 else None

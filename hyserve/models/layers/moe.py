@@ -1,4 +1,4 @@
-"""Dense FFN, MoE (Kimi Linear) and LatentMoE (K3) blocks (spec/models.md §2.6, §3.6)."""
+"""Dense FFN, MoE (Kimi Linear) and LatentMoE (K3) blocks (docs/ARCHITECTURE.md §4.5)."""
 
 from __future__ import annotations
 
@@ -12,15 +12,11 @@ from hyserve.models.layers.merged import merged
 from hyserve.models.layers.norm import RMSNorm
 from hyserve.ops import moe as moe_ops
 from hyserve.ops.dense_gemv import gemv
-from hyserve.ops.dispatch import fast_path, no_grad_fast_path
+from hyserve.ops.dispatch import records_grad
+from hyserve.ops.kernel_plan import REFERENCE, KernelPlan, active
 from hyserve.ops.moe_gemv import PairParts, experts_forward_gemv, shared_fits
-from hyserve.ops.moe_grouped import experts_forward_grouped, grouped_mm_available
+from hyserve.ops.moe_grouped import experts_forward_grouped
 from hyserve.ops.moe_triton import experts_forward_triton
-
-# up to this many tokens the router runs as a tile-parallel GEMV into partial logits and a selection kernel
-# (no cast, no cuBLAS): 11.4 against 13.3 µs for cast + cuBLAS GEMV + selection at 1 token, 12.8 against
-# 19.9 µs at 4 tokens (H200, 26 layers' weights in one graph, 2026-11-30)
-FUSED_ROUTER_MAX_TOKENS = 4
 
 
 def _linear(i: int, o: int) -> nn.Linear:
@@ -37,18 +33,20 @@ class DenseMLP(nn.Module):
         self.gate_proj, self.up_proj, self.down_proj = _linear(dim, inter), _linear(dim, inter), _linear(inter, dim)
         self.act = act
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, plan: KernelPlan | None = None) -> torch.Tensor:
+        plan = active(plan)
         weights = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
-        if x.dim() == 2 and x.shape[0] == 1 and self.act.kind == "silu" and no_grad_fast_path(x, *weights):
-            return self._one_token(x)
+        if plan.dense_mlp_one_token(x, self.act.kind, *weights):
+            return self._one_token(x, plan)
         return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
 
-    def _one_token(self, x: torch.Tensor) -> torch.Tensor:
+    def _one_token(self, x: torch.Tensor, plan: KernelPlan) -> torch.Tensor:
         """A decode token on the GPU: gate | up as one GEMM, then the down GEMV reads SiLU(gate)·up as it
         goes. At the 48B layer-0 shape this replaced two GEMMs at half speed each, five activation
         kernels and a split-K reduce: 51.6 µs of a batch-1 step (profiled on an H200, 2026-11-30)."""
         w13 = merged(self, "_merged_gate_up", [self.gate_proj.weight, self.up_proj.weight])
-        return gemv(F.linear(x, w13), self.down_proj.weight, silu_glu=True)
+        down = self.down_proj.weight
+        return gemv(F.linear(x, w13), down, plan.gemv_config(*down.shape, silu_glu=True), silu_glu=True)
 
 
 class Router(nn.Module):
@@ -59,13 +57,14 @@ class Router(nn.Module):
         self.top_k, self.renormalize, self.scaling = cfg.num_experts_per_tok, cfg.moe_renormalize, cfg.routed_scaling_factor
         self.n_group, self.topk_group = cfg.num_expert_group, cfg.topk_group
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, plan: KernelPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         # on the GPU the selection is one kernel (ops/router_topk.py; no backward): the reference's stable
         # segmented sort of [T, E] scores took 4.8 ms of an 8K prefill (26 layers, profiled)
-        if no_grad_fast_path(x, self.weight) and (self.n_group == 1 or self.topk_group >= self.n_group):
+        kernel = active(plan).router_kernel(x.shape[0], grad=records_grad(x, self.weight))
+        if kernel != REFERENCE:
             from hyserve.ops.router_topk import route_topk_fast, router_fused
 
-            if x.shape[0] <= FUSED_ROUTER_MAX_TOKENS:
+            if kernel == "fused":
                 return router_fused(x, self.weight, self.e_score_correction_bias, self.top_k, self.renormalize,
                                     self.scaling)
             logits = x.float() @ self.weight.float().t()
@@ -96,37 +95,48 @@ class MoE(nn.Module):
             DenseMLP(d, inter * cfg.num_shared_experts, self.act) if cfg.num_shared_experts else None
         )
 
-    def forward(self, x: torch.Tensor, experts_fn=None, summed: bool = True) -> torch.Tensor | PairParts:
-        """`experts_fn(x, ids, weights, w13, w2, act)` overrides the routed-expert kernel (training uses a
-        dense, differentiable one); by default the fastest available kernel is picked. summed=False lets
+    def forward(self, x: torch.Tensor, summed: bool = True, plan: KernelPlan | None = None) -> torch.Tensor | PairParts:
+        """Routed experts by the kernel the plan picks for the step's token-expert pairs; the training plan
+        runs every expert on every token (`dense_experts`: static shapes, differentiable). summed=False lets
         the decode kernels return their unsummed `PairParts` where nothing follows them in the layer (for
         `add_rms_norm` to sum)."""
-        ids, w = self.gate(x)
+        plan = active(plan)
+        ids, w = self.gate(x, plan)
         xe = self.routed_expert_down_proj(x) if self.latent else x
         shared = self.shared_experts
-        if experts_fn is not None:
-            y = experts_fn(xe, ids, w, self.w13, self.w2, self.act)
-        elif fast_path(xe) and ids.numel() <= 64:  # decode: read only the selected experts' rows
+        kernel = "dense" if plan.training else plan.moe_experts(ids.numel(), xe.dtype, records_grad(xe, self.w13, self.w2))
+        if kernel == "gemv":  # decode: read only the selected experts' rows
             # the shared expert rides in the same two launches when it has the routed experts' shape
-            fused = shared if shared is not None and not self.latent and shared_fits(shared, self.w13, self.w2) else None
+            fused = shared if plan.moe_gemv_shared and shared_fits(shared, self.w13, self.w2) else None
             shared = None if fused is not None else shared
             last = shared is None and not self.latent
             y = experts_forward_gemv(xe, ids, w, self.w13, self.w2, self.act, shared=fused, summed=summed or not last)
             if isinstance(y, PairParts):
                 return y
-        elif no_grad_fast_path(xe, self.w13, self.w2) and xe.dtype != torch.float32:
-            # faster than torch._grouped_mm on an H200 at every size measured: 1.5x at 64-256 tokens, where
-            # it streams the touched experts at about copy speed, and 1.6x at 8K (docs/BENCHMARKS.md); also
-            # fp16, or a GPU before sm90 (fp32 keeps the exact loop; training keeps autograd)
-            y = experts_forward_triton(xe, ids, w, self.w13, self.w2, self.act)
-        elif fast_path(xe) and grouped_mm_available(xe, self.w13):
-            y = experts_forward_grouped(xe, ids, w, self.w13, self.w2, self.act)
         else:
-            y = moe_ops.experts_forward(xe, ids, w, self.w13, self.w2, self.act)
+            # the Triton grouped GEMM is faster than torch._grouped_mm on an H200 at every size measured: 1.5x
+            # at 64-256 tokens, where it streams the touched experts at about copy speed, and 1.6x at 8K
+            # (docs/BENCHMARKS.md); _grouped_mm serves autograd
+            y = {"dense": dense_experts, "triton": experts_forward_triton, "grouped_mm": experts_forward_grouped,
+                 REFERENCE: moe_ops.experts_forward}[kernel](xe, ids, w, self.w13, self.w2, self.act)
         if self.latent:
             if self.routed_expert_norm is not None:
                 y = self.routed_expert_norm(y)
             y = self.routed_expert_up_proj(y)
         if shared is not None:
-            y = y + shared(x)
+            y = y + shared(x, plan)
         return y
+
+
+def dense_experts(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act,
+) -> torch.Tensor:
+    """`moe.experts_forward` computed for every expert on every token, combined with the routing weights
+    scattered into a dense [T, E] matrix (zero for experts not picked): the training plan's experts, no
+    `.tolist()` of expert counts; at the trained model's size the extra expert FLOPs are cheap."""
+    inter = w13.shape[1] // 2
+    h = torch.matmul(x.unsqueeze(0), w13.transpose(1, 2))  # [E, T, 2I]
+    out = torch.bmm(act(h[..., :inter], h[..., inter:]), w2.transpose(1, 2))  # [E, T, D]
+    gate = torch.zeros(x.shape[0], w13.shape[0], dtype=torch.float32, device=x.device)
+    gate = gate.scatter(1, ids, weights.float())
+    return torch.einsum("te,etd->td", gate.to(out.dtype), out).to(x.dtype)
