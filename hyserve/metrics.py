@@ -1,4 +1,4 @@
-"""Prometheus metrics with vLLM's names, labels and buckets (serving.md §4), so dashboards carry over.
+"""Prometheus metrics with vLLM's names, labels and buckets (docs/ARCHITECTURE.md §8.4), so dashboards carry over.
 
 Each server app owns a private `CollectorRegistry`. Latency histograms are observed in the server
 process as deltas arrive; engine-side counts (tokens, prefix cache, preemptions) and gauges are read from

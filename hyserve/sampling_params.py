@@ -1,4 +1,4 @@
-"""Per-request sampling settings, with vLLM's field names and meanings (spec/serving.md §3)."""
+"""Per-request sampling settings, with vLLM's field names and meanings (docs/ARCHITECTURE.md §8.3)."""
 
 from __future__ import annotations
 

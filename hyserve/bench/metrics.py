@@ -1,4 +1,4 @@
-"""Benchmark metric computations (serving spec §5).
+"""Benchmark metric computations (docs/ARCHITECTURE.md §9).
 
 Everything here is pure: it takes per-request records with wall-clock timestamps and returns plain
 dicts, so the definitions can be tested on hand-made chunk-time streams without a server.

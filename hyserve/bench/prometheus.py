@@ -1,4 +1,4 @@
-"""Scrape the few Prometheus counters the benchmarks need (spec §4 names)."""
+"""Scrape the few Prometheus counters the benchmarks need (docs/ARCHITECTURE.md §8.4 names)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Agentic trace replayer (`hyserve bench agentic replay`, spec §5 "Replay").
+"""Agentic trace replayer (`hyserve bench agentic replay`, docs/ARCHITECTURE.md §9).
 
 Lanes: `concurrency` live trajectory trees, each replaying one trace; subagents run inside their
 parent's lane (concurrently within a fan-out, gating the next parent turn), so in-flight requests can

@@ -1,6 +1,6 @@
 """Agentic traces: the Weka cc-traces JSON shape, the synthetic generator, and trace statistics.
 
-A trace is a plain dict exactly as in `semianalysisai/cc-traces-weka-*` (spec §5): `id`, `models`,
+A trace is a plain dict exactly as in `semianalysisai/cc-traces-weka-*` (docs/ARCHITECTURE.md §9): `id`, `models`,
 `block_size`, `hash_id_scope`, `tool_tokens`, `system_tokens`, `requests[]`; a request carries `t`,
 `type`, `model`, `in`, `out`, `hash_ids`, `input_types`, `output_types`, `stop`, `api_time`,
 `think_time`; a `type: "subagent"` entry nests `agent_id`, `subagent_type`, `status`, `models` and its
@@ -359,7 +359,7 @@ def _pcts(values: list[float]) -> dict:
 
 
 def trace_stats(traces: list[dict]) -> dict:
-    """Calibration statistics (spec §5 generator step 4)."""
+    """Calibration statistics (docs/ARCHITECTURE.md §9, the synthetic generator)."""
     isl, osl, think_tool, think_human, turns, fanouts, in_flight = [], [], [], [], [], [], []
     top = sub = 0
     for trace in traces:

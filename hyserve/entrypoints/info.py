@@ -1,7 +1,7 @@
 """`hyserve info MODEL`: what a model is and what it costs to serve, from its config alone.
 
 Only the config is parsed; no weight is allocated, so `hyserve info kimi-linear-48b-a3b` is instant.
-Parameter counts are analytic (spec/models.md §2.7, §3.7, §4.2); memory figures follow spec §6.
+Parameter counts are analytic and memory figures follow the cache layout (docs/ARCHITECTURE.md §4.8, §5).
 """
 
 from __future__ import annotations

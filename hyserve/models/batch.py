@@ -1,4 +1,4 @@
-"""What one forward step sees: the flattened token batch and the cache tensors (DESIGN.md §3-§4).
+"""What one forward step sees: the flattened token batch and the cache tensors (docs/ARCHITECTURE.md §4.1, §5).
 
 Layers never see requests or HF cache objects. A step is `T` tokens of `N` sequences laid end to end;
 sequence i owns tokens `cu_seqlens[i]:cu_seqlens[i+1]`, which are its positions

@@ -1,12 +1,12 @@
 """One ModelConfig for every supported config.json format, plus the random-weight presets.
 
-Formats (spec/models.md §2.1, §3.1, §4.1):
+Formats (docs/ARCHITECTURE.md §4.7):
   (a) transformers 5.x `kimi_linear`: `layer_types`, `mlp_layer_types`, `linear_*` keys;
   (b) the original Kimi Linear remote code: `linear_attn_config` with 1-based layer lists;
   (c) Kimi K3: a `text_config` (or a flat `KimiK3ForCausalLM` config) with AttnRes, LatentMoE, SiTU-GLU,
       gated MLA with q-LoRA and the bounded KDA gate, switched on by key;
   (d) K3.1 = K3 + `index_n_heads` / `index_head_dim` / `index_topk`;
-  (e) DeepSeek V3.2 (`DeepseekV32ForCausalLM`, §5): every layer MLA + indexer, YaRN RoPE, grouped routing.
+  (e) DeepSeek V3.2 (`DeepseekV32ForCausalLM`): every layer MLA + indexer, YaRN RoPE, grouped routing.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ class ModelConfig:
     @property
     def attn_softmax_scale(self) -> float:
         """MLA softmax scale: qk_head_dim^-1/2, times YaRN's mscale(factor, mscale_all_dim)^2 when set
-        (0.1352338 for DeepSeek V3.2, spec §5.2)."""
+        (0.1352338 for DeepSeek V3.2, docs/ARCHITECTURE.md §4.3)."""
         scale = self.qk_head_dim**-0.5
         rs = self.rope_scaling or {}
         if rs.get("mscale_all_dim") and rs.get("rope_type", rs.get("type", "default")) != "default":
@@ -265,7 +265,7 @@ def _rope_params(c: dict) -> tuple[float, dict | None]:
 
 
 def _parse_deepseek_v32(c: dict) -> ModelConfig:
-    """DeepSeek V3.2 (spec §5.1): every layer MLA + DSA indexer; dense FFN on the first
+    """DeepSeek V3.2 (docs/ARCHITECTURE.md §4.7): every layer MLA + DSA indexer; dense FFN on the first
     `first_k_dense_replace` layers; sigmoid router with group-limited selection; YaRN RoPE."""
     where = "top level"
     n_layers = int(_need(c, "num_hidden_layers", where))

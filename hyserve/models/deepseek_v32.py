@@ -1,11 +1,11 @@
-"""DeepSeek V3.2 (`DeepseekV32ForCausalLM`, spec/models.md §5), assembled from the shared layers.
+"""DeepSeek V3.2 (`DeepseekV32ForCausalLM`, docs/ARCHITECTURE.md §4.7), assembled from the shared layers.
 
 The decoder is the Kimi family's plain pre-norm stack with every layer MLA + DSA indexer (YaRN RoPE on
 the rope slices, softmax scale with mscale^2), dense FFNs on the first layers and grouped-sigmoid MoE
 after them, so the model class only adds what differs at load time:
   - FP8 block-quantised Linear weights (`weight_scale_inv`, 128x128 blocks) are dequantised;
   - the 64 interleaved rope rows of `q_b_proj` (per head) and `kv_a_proj_with_mqa` are permuted to
-    [even | odd], turning MLA's interleaved rotation into the half-split one the indexer uses (§5.2);
+    [even | odd], turning MLA's interleaved rotation into the half-split one the indexer uses (§4.3);
   - the MTP layer past `num_hidden_layers` is skipped (the shared loader drops it).
 """
 
@@ -39,7 +39,7 @@ def interleaved_to_half_split(rope_dim: int) -> torch.Tensor:
 
 
 def permute_rope_rows(name: str, t: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """Apply the §5.2 permutation to the rope rows of the two MLA projections that produce them."""
+    """Apply the rope-row permutation (docs/ARCHITECTURE.md §4.3) to the rope rows of the two MLA projections that produce them."""
     dr, perm = cfg.qk_rope_head_dim, interleaved_to_half_split(cfg.qk_rope_head_dim)
     if name.endswith("self_attn.kv_a_proj_with_mqa.weight"):
         r = cfg.kv_lora_rank

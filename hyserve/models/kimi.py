@@ -1,6 +1,6 @@
 """The Kimi model family assembled from layers by config flags: Kimi Linear and Kimi K3.
 
-Kimi Linear: plain pre-norm residuals. K3: Block AttnRes replaces the residual stream (spec §3.5).
+Kimi Linear: plain pre-norm residuals. K3: Block AttnRes replaces the residual stream (docs/ARCHITECTURE.md §4.6).
 """
 
 from __future__ import annotations

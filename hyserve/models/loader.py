@@ -1,4 +1,4 @@
-"""Checkpoint loading: HF-format directories (sharded safetensors, every spelling of spec/models.md)
+"""Checkpoint loading: HF-format directories (sharded safetensors, every spelling of docs/ARCHITECTURE.md §4.7)
 and deterministic random weights for the presets, without materialising weights twice."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "fp32": torch.float32, "bf16": torch.bfloat16, "auto": None}
-# parameters held in fp32 whatever the model dtype (spec §1.3)
+# parameters held in fp32 whatever the model dtype (docs/ARCHITECTURE.md §4.1)
 _FP32_PARAMS = ("A_log", "dt_bias", "conv_weight", "o_norm_weight", "e_score_correction_bias", "gate.weight",
                  "weights_proj.weight")
 _E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -91,7 +91,7 @@ def load_model(
     """A preset name (random weights) or an HF-format directory (config.json + safetensors).
 
     `index_key_format` overrides how DSA index keys are cached: "fp8" (default), "mxfp4", or "raw"
-    (unquantised, the exact R0 reference of spec §4.6).
+    (unquantised, the exact R0 reference of docs/ARCHITECTURE.md §4.4).
     """
     if name_or_path in PRESETS:
         cfg = _with_index_format(parse_config(preset_config(name_or_path)), index_key_format)

@@ -1,4 +1,4 @@
-"""Random-weight presets (DESIGN.md §8): config.json dicts in the formats real checkpoints use."""
+"""Random-weight presets (docs/ARCHITECTURE.md §4.7): config.json dicts in the formats real checkpoints use."""
 
 from __future__ import annotations
 

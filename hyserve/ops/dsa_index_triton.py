@@ -1,5 +1,5 @@
-"""DSA index scores over the paged key cache and an exact tie-ruled top-k, in Triton (DESIGN.md §6;
-math: spec/models.md §4.3-§4.4; torch reference: ops/dsa_indexer.py).
+"""DSA index scores over the paged key cache and an exact tie-ruled top-k, in Triton
+(docs/ARCHITECTURE.md §7; math: §4.4; torch reference: ops/dsa_indexer.py).
 
 Stage 1 (one kernel): a program takes a block of BM query rows of one sequence and a chunk of key
 positions. It loads the rows' FP8 queries once as a [BM*H, D] tile, then per tile of BN positions maps
@@ -16,7 +16,7 @@ values in bf16, exact, so only the fp32 accumulation order differs from the refe
 ord32 maps fp32 to int32 preserving order (negative floats get their magnitude bits flipped), and −0.0
 is first made +0.0 so that it ties with +0.0 exactly as the reference's float sort does. Positions after
 the row's own position (and past the sequence end) get the key of −inf. Keys are then unique and their
-order is "score descending, position ascending" (spec §1.6), so stage 2 — `torch.topk` on the int64
+order is "score descending, position ascending" (docs/ARCHITECTURE.md §4.1), so stage 2 — `torch.topk` on the int64
 keys — is exact: no tie is left for topk to break arbitrarily.
 """
 
@@ -165,12 +165,12 @@ def index_sort_keys(
     """Stage 1: composite keys [T, width] int64 of every (query row, position < width) pair.
 
     q8 [T, H, D] holds the e4m3 query values (any float dtype; exact in fp16), w_folded [T, H] fp32 the
-    folded head weights (spec §4.4); keys is the whole `index_keys` pool [blocks, n_mla, BS, rec] uint8 in
+    folded head weights (docs/ARCHITECTURE.md §4.4); keys is the whole `index_keys` pool [blocks, n_mla, BS, rec] uint8 in
     split pages; positions [T] the rows' absolute positions.
 
     FP8 keys on a GPU meet the queries in an FP8 tensor-core dot (`fp8_dot`, the default there): the
     products are exact but Hopper keeps fewer accumulator bits, so scores are about 2e-4 (relative) off the
-    fp32 sums, inside the R1 contract's 1e-3 band around the k-th score (spec §4.6), and the kernel reads
+    fp32 sums, inside the R1 contract's 1e-3 band around the k-th score (docs/ARCHITECTURE.md §4.4), and the kernel reads
     the keys 1.3-1.6x faster. `fp8_dot=False` (None: `kernel_plan.dsa_fp8_dot`, off with
     HYSERVE_DSA_EXACT_SCORES=1) takes an fp16 dot instead
     (e4m3 values are exact in fp16, sums in fp32: only their order differs from the reference).

@@ -1,4 +1,4 @@
-"""DSA index keys, index scores and top-k selection, torch reference (spec/models.md §4.3-§4.6, §5.3).
+"""DSA index keys, index scores and top-k selection, torch reference (docs/ARCHITECTURE.md §4.4).
 
 Key records (one per token and MLA layer, uint8):
   fp8   : D e4m3 bytes, then the fp32 scale (little endian)   -> D + 4 bytes   (132 for D = 128)
@@ -115,7 +115,7 @@ def _e2m1_code(y: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_mxfp4_keys(k: torch.Tensor) -> torch.Tensor:
-    """k [N, D] -> records [N, D/2 + D/32] uint8 (spec §4.4).
+    """k [N, D] -> records [N, D/2 + D/32] uint8 (docs/ARCHITECTURE.md §4.4).
 
     Byte i of the codes holds element 2i in bits 0-3 and element 2i+1 in bits 4-7; bit 3 of a nibble is
     the sign (set for negative inputs, so a tiny negative value becomes -0). Then one E8M0 byte per group.
@@ -149,7 +149,7 @@ def dequantize_mxfp4_keys(rec: torch.Tensor) -> torch.Tensor:
 # the block_size value parts of its records first (e4m3 bytes, MXFP4 code pairs or raw keys), then their
 # scale parts (the fp32 scale, the E8M0 bytes). A tile of consecutive tokens' values is then one contiguous
 # 16-byte-aligned range that kernels read with vector loads; 132-byte records interleaved would be only
-# word-aligned. The record (spec §4.4) is unchanged: gathering a token's two parts gives it back.
+# word-aligned. The record (docs/ARCHITECTURE.md §4.4) is unchanged: gathering a token's two parts gives it back.
 
 
 def key_scale_bytes(fmt: str, record_bytes: int) -> int:
@@ -250,7 +250,7 @@ def index_scores_q(
 def topk_causal(scores: torch.Tensor, qpos: torch.Tensor, k: int) -> torch.Tensor:
     """Per query row t (absolute position qpos[t]) the top-min(k, t+1) positions s <= t.
 
-    Order: score descending, then position ascending (spec §1.6; a stable descending sort keeps the
+    Order: score descending, then position ascending (docs/ARCHITECTURE.md §4.1; a stable descending sort keeps the
     lower position first among equal scores). scores [T, S] -> [T, min(k, S)] long, padded with -1.
     """
     s = scores.shape[-1]

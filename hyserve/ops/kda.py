@@ -1,4 +1,4 @@
-"""KDA reference math (spec/models.md §2.4, §3.3), fp32, in hyserve's V-first state layout.
+"""KDA reference math (docs/ARCHITECTURE.md §4.2), fp32, in hyserve's V-first state layout.
 
 These functions are the specification the GPU kernels are tested against. State M is [.., H, V, K].
 """

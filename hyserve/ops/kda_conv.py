@@ -1,4 +1,4 @@
-"""The KDA short conv of a prefill step as one Triton launch (DESIGN.md §6): the GPU twin of
+"""The KDA short conv of a prefill step as one Triton launch (docs/ARCHITECTURE.md §7): the GPU twin of
 `kda_prefill.causal_conv_varlen`, same contract, no autograd.
 
 The torch version builds an extended buffer and sums W shifted gathers in fp32: about a dozen passes over

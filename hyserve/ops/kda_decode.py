@@ -1,4 +1,4 @@
-"""Fused KDA decode as two Triton launches (DESIGN.md §6; math: spec/models.md §2.4, §3.3).
+"""Fused KDA decode as two Triton launches (docs/ARCHITECTURE.md §7; math: §4.2).
 
 Each of N sequences brings the same number T of new tokens (T = 1: plain decode; T > 1: e.g. verifying
 T-1 speculative draft tokens + 1), token rows sequence-major: sequence n owns rows n*T .. n*T+T-1.

@@ -1,4 +1,4 @@
-"""The KDA output norm of a prefill step as one Triton kernel (DESIGN.md §6; reference:
+"""The KDA output norm of a prefill step as one Triton kernel (docs/ARCHITECTURE.md §7; reference:
 `norm.gated_rms_norm`): weight · o / rms(o) · sigmoid(gate) per (token, head) row of K values, fp32
 throughout, cast once to the model dtype.
 

@@ -1,5 +1,5 @@
 """KDA prefill on the GPU: the short conv vectorised over a whole step, then fla-core `chunk_kda`
-over every prefill sequence of the step in one varlen call (DESIGN.md §6).
+over every prefill sequence of the step in one varlen call (docs/ARCHITECTURE.md §7).
 
 The conv is plain torch (it runs and is tested on the CPU too); `chunk_kda` needs CUDA and fla-core.
 """

@@ -1,4 +1,4 @@
-"""MLA attention over the paged latent cache (spec/models.md §2.5), torch reference.
+"""MLA attention over the paged latent cache (docs/ARCHITECTURE.md §4.3), torch reference.
 
 A cache row is [c (R) | k_r (d_r)]. The expanded form (prefill) up-projects the context; the absorbed
 form (decode) is MQA with a (R + d_r)-dim query against the rows. They agree up to rounding.

@@ -1,4 +1,4 @@
-"""MLA's cache write as one Triton kernel (DESIGN.md §6; reference: MLAttention.cache_rows and the page
+"""MLA's cache write as one Triton kernel (docs/ARCHITECTURE.md §7; reference: MLAttention.cache_rows and the page
 store in models/layers/mla.py).
 
 A token's cache row is [RMSNorm(c_kv) | k_rope] of the kv_a projection's output. In torch that is the

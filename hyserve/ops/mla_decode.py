@@ -1,4 +1,5 @@
-"""Paged MLA decode in the absorbed form as Triton kernels (DESIGN.md §6; math: spec/models.md §2.5).
+"""Paged MLA decode in the absorbed form as Triton kernels (docs/ARCHITECTURE.md §7; math:
+§4.3).
 
 With q_full = [W_UKᵀ q_n | q_r] (576 values) every head attends to the same cache rows, so one program
 handles a block of heads of one sequence and reads each packed page row once: the score is q_full·row

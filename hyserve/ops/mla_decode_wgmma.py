@@ -1,5 +1,5 @@
 """The paged MLA decode split kernel written in Gluon: one warpgroup, cache rows as wgmma's M side, and
-double buffering under the program's own control (DESIGN.md §6; math: spec/models.md §2.5).
+double buffering under the program's own control (docs/ARCHITECTURE.md §7; math: §4.3).
 
 Why a second form of `mla_decode._mla_split_kernel` (its docstring has the measurements): in Triton the
 "rows" form (both products wgmma) cannot overlap its tile copies with its products at 64-row tiles,

@@ -1,4 +1,4 @@
-"""MoE routing and expert compute, torch reference (spec/models.md §2.6, §3.6, §1.6)."""
+"""MoE routing and expert compute, torch reference (docs/ARCHITECTURE.md §4.5)."""
 
 from __future__ import annotations
 

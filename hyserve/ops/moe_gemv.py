@@ -1,5 +1,5 @@
 """Routed experts for a few tokens (decode) as two Triton GEMV kernels that read only the selected
-experts' rows (DESIGN.md §6). `torch._grouped_mm` costs about 0.5 ms per call at 1-8 tokens on an H200
+experts' rows (docs/ARCHITECTURE.md §7). `torch._grouped_mm` costs about 0.5 ms per call at 1-8 tokens on an H200
 whatever the token count (measured 2026-11-30), which is 26 MoE layers × 0.5 ms per decode step.
 
 Both kernels run one program per (token-expert pair, block of rows): many programs per SM keep enough

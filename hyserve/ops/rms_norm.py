@@ -1,4 +1,4 @@
-"""RMSNorm in one Triton kernel (DESIGN.md §6; reference: models/layers/norm.rms_norm).
+"""RMSNorm in one Triton kernel (docs/ARCHITECTURE.md §7; reference: models/layers/norm.rms_norm).
 
 The torch form is about eight kernels (cast, square, mean, add, rsqrt, multiply, cast, scale), and a
 decode step of the 48B shape runs 62 norms: a tenth of the step's launches. One program per row does the

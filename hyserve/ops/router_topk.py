@@ -1,4 +1,4 @@
-"""The sigmoid router as Triton kernels (DESIGN.md §6; reference: ops/moe.route).
+"""The sigmoid router as Triton kernels (docs/ARCHITECTURE.md §7; reference: ops/moe.route).
 
 After the fp32 router GEMM, the reference takes about ten kernels per MoE layer (sigmoid, bias, a stable
 sort, gather, sum, divide, scale); at batch 1 those launches cost more than the GEMM. The selection of one

@@ -1,4 +1,4 @@
-"""Sparse absorbed MLA over the paged latent cache (spec/models.md §4.5), torch reference.
+"""Sparse absorbed MLA over the paged latent cache (docs/ARCHITECTURE.md §4.4), torch reference.
 
 Every query row attends only to the cache rows its index list names: MQA with a 576-dim query
 [q_lat | q_r] against the gathered 576-dim rows, the value being the rows' first R dims. Prefill and

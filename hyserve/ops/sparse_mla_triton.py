@@ -1,5 +1,5 @@
-"""Sparse absorbed MLA over the selected rows of the paged latent cache, in Triton (DESIGN.md §6;
-math: spec/models.md §4.5; torch reference: ops/sparse_mla.py).
+"""Sparse absorbed MLA over the selected rows of the paged latent cache, in Triton
+(docs/ARCHITECTURE.md §7; math: §4.4; torch reference: ops/sparse_mla.py).
 
 The dense decode kernel (ops/mla_decode.py) walks a sequence's positions in order; here each query row
 walks its own index list instead (request-local positions, -1 = padding), mapping every position to its
@@ -8,7 +8,7 @@ one split of the index list, so a decode row and a prefill row are the same work
 no second kernel. All heads of the block share each gathered 576-dim row (MQA): the score is
 q_full·row and the value is row[:512]. Splits are merged by the dense path's log-sum-exp combine kernel.
 
-FP8 pages (576 e4m3 values, one fp32 scale per layer, spec §6.1) are widened to bf16 in registers
+FP8 pages (576 e4m3 values, one fp32 scale per layer, docs/ARCHITECTURE.md §4.8) are widened to bf16 in registers
 (exact); the layer scale is folded into the softmax scale and applied once to o_lat.
 """
 

@@ -39,7 +39,7 @@ SIZES = {
 
 def k3_config(size: str, vocab: int, bos: int, eos: Sequence[int], pad: int, max_len: int = 4096) -> dict:
     cfg = _k3(vocab=vocab, max_len=max_len, bos=bos, eos=eos[0], pad=pad, **SIZES[size])
-    cfg["eos_token_id"] = list(eos)  # stop on <|end_of_msg|> and [EOS] (serving.md §1a)
+    cfg["eos_token_id"] = list(eos)  # stop on <|end_of_msg|> and [EOS] (docs/ARCHITECTURE.md §8.1)
     return cfg
 
 

@@ -1,4 +1,4 @@
-"""Kimi K2 / K2-Thinking / Kimi Linear chat encoding (spec/serving.md §1b), as a segment program.
+"""Kimi K2 / K2-Thinking / Kimi Linear chat encoding (docs/ARCHITECTURE.md §8.1), as a segment program.
 
 Every marker is one special token. The shipped Jinja templates render a string and tokenize it whole,
 so here the text between two markers is merged into one segment before tokenizing: that gives the

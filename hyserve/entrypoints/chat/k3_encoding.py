@@ -1,4 +1,4 @@
-"""Kimi K3 "XTML" chat encoding (spec/serving.md §1a), written as a program that emits segments.
+"""Kimi K3 "XTML" chat encoding (docs/ARCHITECTURE.md §8.1), written as a program that emits segments.
 
 A segment is (text, allow_special). Only markers allow special tokens; everything else (tag names,
 attributes, message text, JSON) is tokenized with special matching off, so user text can never

@@ -1,6 +1,6 @@
 """Reasoning parsers: split one completion's generated ids into reasoning text and the rest.
 
-A reasoning parser is the first stage of output parsing (serving.md §2). It works on token ids, never on
+A reasoning parser is the first stage of output parsing (docs/ARCHITECTURE.md §8.2). It works on token ids, never on
 rendered text, so that a marker is only ever a special id: text that merely *looks* like a marker (typed
 by a user, or written by the model inside a string) is plain BPE and stays text.
 

@@ -1,4 +1,4 @@
-"""Tool-call parsers and the per-completion `OutputParser` (serving.md §2).
+"""Tool-call parsers and the per-completion `OutputParser` (docs/ARCHITECTURE.md §8.2).
 
 The tool parser is the second stage: it gets the answer-side ids from the reasoning parser and turns them
 into content text and tool calls. `make_output_parser` composes the two stages for one completion:

@@ -1,4 +1,4 @@
-"""`tool_choice` "required" or a named function, enforced by structured decoding (serving.md §2).
+"""`tool_choice` "required" or a named function, enforced by structured decoding (docs/ARCHITECTURE.md §8.2).
 
 K3 forces XTML call blocks; K2 forces a tool-call section. Either way the grammar writes the markers as
 their special ids, so the output parser always finds the calls.

@@ -1,4 +1,4 @@
-"""Request and response models of the OpenAI-compatible API (serving.md §3).
+"""Request and response models of the OpenAI-compatible API (docs/ARCHITECTURE.md §8.3).
 
 Unknown request fields are ignored (clients send options meant for other servers); known fields are
 type-checked by pydantic, and range checks live in `SamplingParams`, so both surface as HTTP 400.

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP server: a FastAPI app over an `AsyncEngineClient` (serving.md §3).
+"""The OpenAI-compatible HTTP server: a FastAPI app over an `AsyncEngineClient` (docs/ARCHITECTURE.md §8.3).
 
 `build_app(args)` makes the app (the engine process starts in its lifespan); `run_server(args)` serves it
 with uvicorn, which turns SIGINT/SIGTERM into a graceful shutdown that also stops the engine process.

@@ -1,7 +1,7 @@
 """POST /v1/chat/completions: render with the family's encoder, generate, parse reasoning and tool calls.
 
 Outputs are parsed on token ids (never on rendered text), with one `OutputParser` per completion; the
-streaming and non-streaming paths run the same parser, so their results agree (serving.md §2).
+streaming and non-streaming paths run the same parser, so their results agree (docs/ARCHITECTURE.md §8.2).
 """
 
 from __future__ import annotations
@@ -157,8 +157,8 @@ def _finish_reason(c: _Completion) -> str | None:
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request):
     state.check_model(req.model)
     check_request(state, req)
-    # skip_special_tokens needs no handling: the output parsers always read the special ids (spec §2: an
-    # active parser forces skip_special_tokens=false), so clients that send false get what they asked for
+    # skip_special_tokens needs no handling: the output parsers always read the special ids (an active parser
+    # keeps special tokens in: docs/ARCHITECTURE.md §8.2), so clients that send false get what they asked for
     _reject_images(req.messages)
     encoder = get_chat_encoder(state.chat_encoding)
     functions = _tool_functions(req)
@@ -196,7 +196,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     k = (req.top_logprobs or 0) if req.logprobs else None
-    # The parsers need the markers: special tokens stay in (serving.md §2, common rules).
+    # The parsers need the markers: special tokens stay in (docs/ARCHITECTURE.md §8.2).
     # ignore_eos (benchmarks asking for exact output lengths) also ignores the end-of-message markers.
     params = build_params(req, max_tokens=max_tokens, logprobs=k, stop_token_ids=[] if req.ignore_eos else stop_ids,
                           structured=spec, skip_special_tokens=False, prompt_logprobs=req.prompt_logprobs)

@@ -1,4 +1,4 @@
-"""Gated activations: SiLU-GLU (Kimi Linear, DeepSeek) and SiTU-GLU (K3, spec/models.md §3.6)."""
+"""Gated activations: SiLU-GLU (Kimi Linear, DeepSeek) and SiTU-GLU (K3; docs/ARCHITECTURE.md §4.5)."""
 
 from __future__ import annotations
 

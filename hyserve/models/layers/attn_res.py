@@ -1,4 +1,4 @@
-"""Block Attention Residuals (spec/models.md §3.5): a softmax mix over banked blocks and the prefix."""
+"""Block Attention Residuals (docs/ARCHITECTURE.md §4.6): a softmax mix over banked blocks and the prefix."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""DSA indexer (K3.1 spec/models.md §4; DeepSeek V3.2 §5.3) and the sparse MLA it drives (§4.5).
+"""DSA indexer (K3.1, DeepSeek V3.2) and the sparse MLA it drives (docs/ARCHITECTURE.md §4.4).
 
 Per MLA layer the indexer projects a small multi-head query from the MLA query latent and one key per
 token from the layer input, stores each new token's key in the cache beside the MLA latent, and picks
@@ -24,7 +24,7 @@ _K_NORM_EPS = 1e-6
 
 
 class IndexKeyNorm(nn.Module):
-    """LayerNorm with weight and bias; statistics in fp32, output in the input dtype (spec §1.4)."""
+    """LayerNorm with weight and bias; statistics in fp32, output in the input dtype (docs/ARCHITECTURE.md §4.1)."""
 
     def __init__(self, dim: int):
         super().__init__()
@@ -46,7 +46,7 @@ class Indexer(nn.Module):
         self.k_norm = IndexKeyNorm(self.head_dim)
         self.weights_proj = nn.Linear(d, self.n_heads, bias=False)  # held and applied in fp32
         self.rope_dim = cfg.qk_rope_head_dim if cfg.use_rope else 0
-        # DeepSeek's deployed FP8 numerics (spec §5.3); K3.1 uses plain fp32 scales and no rotation
+        # DeepSeek's deployed FP8 numerics (docs/ARCHITECTURE.md §4.4); K3.1 uses plain fp32 scales and no rotation
         self.ue8m0 = cfg.is_deepseek_v32
         self.hadamard = cfg.is_deepseek_v32 and self.fmt == "fp8"
 

@@ -1,4 +1,4 @@
-"""Kimi Delta Attention layer (spec/models.md §2.4; K3 deltas §3.3).
+"""Kimi Delta Attention layer (docs/ARCHITECTURE.md §4.2).
 
 Prefill chunks run the chunked form per sequence; single-token decodes run the recurrence batched over
 sequences. Both read and write the sequence's state slot in place (conv tail + fp32 recurrent matrix).

@@ -1,5 +1,5 @@
-"""MLA without position encoding (Kimi Linear, spec §2.5), K3's gated MLA with q-LoRA (§3.4), and with
-a DSA indexer (K3.1 §4, DeepSeek V3.2 §5, which also rotates the rope slice) sparse absorbed MLA."""
+"""MLA without position encoding (Kimi Linear), K3's gated MLA with q-LoRA, and with a DSA indexer (K3.1,
+DeepSeek V3.2, which also rotates the rope slice) sparse absorbed MLA (docs/ARCHITECTURE.md §4.3, §4.4)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from hyserve.ops.dense_gemv import linear
 from hyserve.ops.kernel_plan import REFERENCE, KernelPlan, active
 from hyserve.ops.mla_cache import write_cache_rows
 
-# q_a_layernorm / kv_a_layernorm use the class default eps, not rms_norm_eps (spec §1.4).
+# q_a_layernorm / kv_a_layernorm use the class default eps, not rms_norm_eps (docs/ARCHITECTURE.md §4.1).
 _LATENT_NORM_EPS = 1e-6
 
 

@@ -1,4 +1,4 @@
-"""RMSNorm in the Kimi / DeepSeek form and the two fp32-to-the-end norms (spec/models.md §1.4)."""
+"""RMSNorm in the Kimi / DeepSeek form and the two fp32-to-the-end norms (docs/ARCHITECTURE.md §4.1)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Rotary position embedding with YaRN frequencies, half-split (NeoX) pairs (spec/models.md §5.2).
+"""Rotary position embedding with YaRN frequencies, half-split (NeoX) pairs (docs/ARCHITECTURE.md §4.3).
 
 DeepSeek's MLA rotates interleaved pairs (x[2i], x[2i+1]); the loader permutes those weight rows to
 [even | odd] so that the half-split rotation used here gives the same dot products, and one rotation
