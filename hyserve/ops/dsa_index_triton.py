@@ -230,6 +230,7 @@ def index_topk_fast(
     quantised by the byte-exact torch quantiser (one small elementwise pass), keys are read in place.
     Stage 1 writes [rows, width] int64 sort keys: a step with more rows than fit in
     `dsa.WORKSPACE_BYTES` (a long prefill) is taken in groups of rows, each as wide as its last position.
+    fp8_dot: see `index_sort_keys` (the layer passes its kernel plan's choice).
     """
     q8, w_folded = dsa.quantize_queries(q, w, ue8m0)
     width = max(context_lens)
