@@ -91,7 +91,7 @@ class KernelPlan:
     moe_grouped_mm: bool = False  # torch._grouped_mm can take the grouped GEMMs where autograd records
     layer_kinds: frozenset[str] = frozenset()  # "kda", "mla", "dsa", "moe", "dense": the table's rows
     gemv_weights: tuple[tuple[str, int, int, bool], ...] = ()  # (names, rows, cols, SiLU-GLU input): the table's
-    training: bool = False  # the training forward (KimiForCausalLM.training_forward)
+    training: bool = False  # the training forward (`for_training`)
     train_fla: bool = False  # its KDA layers through fla chunk_kda with autograd
 
     # ---- the answers that depend on the step ---------------------------------------------------------
