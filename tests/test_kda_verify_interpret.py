@@ -21,11 +21,6 @@ P = H * K
 EPS = 1e-5
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    return importlib.import_module("hyserve.ops.kda_verify_triton")
-
-
 def make_case(n: int, t: int, seed: int) -> dict:
     """Column slices of one merged projection and layer views of two-layer pools (non-contiguous)."""
     gen = torch.Generator().manual_seed(seed)
@@ -61,7 +56,9 @@ def reference(c: dict, t: int, lower_bound: float | None):
     return out, conv, rec
 
 
-def run(kernels, c: dict, t: int, lower_bound: float | None, **kw) -> torch.Tensor:
+def run(c: dict, t: int, lower_bound: float | None, **kw) -> torch.Tensor:
+    # imported here: triton must see TRITON_INTERPRET (set by conftest) before its first import
+    kernels = importlib.import_module("hyserve.ops.kda_verify_triton")
     return kernels.kda_verify_multi(c["x"], c["f"], c["b"], c["gate"], c["cw"], c["conv"][:, 1], c["rec"][:, 1],
                                     c["alog"], c["dtb"], c["onw"], c["table"], c["src"], K**-0.5, EPS,
                                     lower_bound, t, **kw)
@@ -75,11 +72,11 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "bounded"])
 @pytest.mark.parametrize(("n", "t"), [(1, 4), (3, 2), (2, 5)])
-def test_verify_kernels_match_the_reference_in_every_slot(kernels, n, t, lower_bound):
+def test_verify_kernels_match_the_reference_in_every_slot(n, t, lower_bound):
     c = make_case(n, t, seed=10 * n + t)
     out_ref, conv_ref, rec_ref = reference(c, t, lower_bound)
     before_conv, before_rec = c["conv"].clone(), c["rec"].clone()
-    out = run(kernels, c, t, lower_bound, block_v=8)
+    out = run(c, t, lower_bound, block_v=8)
     written = c["table"].reshape(-1)
     others = [s for s in range(SLOTS) if s not in written.tolist()]
     assert rel_err(out, out_ref) < 1e-5
@@ -89,12 +86,12 @@ def test_verify_kernels_match_the_reference_in_every_slot(kernels, n, t, lower_b
     assert torch.equal(c["conv"][:, 0], before_conv[:, 0]) and torch.equal(c["rec"][:, 0], before_rec[:, 0])
 
 
-def test_a_step_starting_from_its_own_first_destination_reads_the_old_window(kernels):
+def test_a_step_starting_from_its_own_first_destination_reads_the_old_window():
     """src column 0 is also token 0's destination: every read of the source comes before that write."""
     c = make_case(2, 3, seed=5)
     c["src"] = torch.zeros(2, dtype=torch.long)
     out_ref, conv_ref, rec_ref = reference(c, 3, None)
-    out = run(kernels, c, 3, None)
+    out = run(c, 3, None)
     written = c["table"].reshape(-1)
     assert rel_err(out, out_ref) < 1e-5
     assert torch.equal(c["conv"][written, 1].double(), conv_ref[written])

@@ -4,14 +4,16 @@ token (the contract of hyserve/ops/kda_verify.py).
 Each of N sequences brings T tokens (the last sampled token and T-1 drafts), rows sequence-major. The
 state is read from slot_table[n, src[n]] and the state after token t is written to slot_table[n, t],
 recurrent matrix and conv window alike, so the next step starts from the accepted column without a
-copy. Three launches, the decode kernels' helpers reused:
-1. prep, one program per (sequence, head): copies the head's channels of the source window to a
-   scratch first (the source slot may be one of the destinations), then the conv, gate, beta and q/k
-   norms of every token from the scratch, then each token's window to its slot;
-2. state, one program per (sequence, head, block of V rows): the source rows once into registers, then
-   per token the delta-rule step, its output rows and the state rows to that token's slot (T stores:
-   the price of rollback by slot choice);
-3. the gated RMSNorm of every token (the decode path's finish kernel).
+copy. The steps:
+1. the source windows are gathered into a scratch [N, 3P, W-1] first (column src may also be token 0's
+   destination), and the window after each token is written to its slot from the scratch and the
+   token rows (torch: a gather, a concatenation and one indexed store);
+2. the decode path's prep kernel, run on the scratch (slot n = row n), computes the conv, gate, beta
+   and q/k norms of every token;
+3. the state kernel here, one program per (sequence, head, block of V rows): the source rows once into
+   registers, then per token the delta-rule step, its output rows and the state rows to that token's
+   slot (T stores: the price of rollback by slot choice);
+4. the decode path's finish kernel: the gated RMSNorm of every token.
 """
 
 from __future__ import annotations
@@ -20,49 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hyserve.ops.kda_decode import _conv_out, _decay_of, _delta_step, _head_lanes, _kda_finish_kernel, _window_of
-
-
-@triton.jit
-def _verify_prep_kernel(
-    x_ptr, s_xn, f_ptr, s_fn, b_ptr, s_bn,
-    conv_w_ptr, conv_ptr, s_cs, s_cc, s_cw, scratch_ptr, s_sn, s_sc, s_sw,
-    a_log_ptr, dt_bias_ptr, table_ptr, s_tn, src_ptr, qkvg_ptr, beta_ptr,
-    P, H, scale, lower_bound,
-    T: tl.constexpr, K: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BOUNDED: tl.constexpr,
-):
-    """Program (n, h): rows 0..3 of qkvg[n*T+t, h] (q̂ scaled, k̂, v, exp(gate)) and σ(b) for every
-    token, then the window after each token into its slot."""
-    n = tl.program_id(0)
-    h = tl.program_id(1)
-    src_slot = tl.load(table_ptr + n * s_tn + tl.load(src_ptr + n)).to(tl.int64)
-    row0 = n * T
-    i, part, c = _head_lanes(P, h, K)
-    live = part < 3
-    j = tl.arange(0, WP)
-    wmask = live[:, None] & (j[None, :] < W - 1)
-    old = tl.load(conv_ptr + src_slot * s_cs + c[:, None] * s_cc + j[None, :] * s_cw, mask=wmask, other=0.0)
-    tail_ptr = scratch_ptr + n * s_sn
-    tl.store(tail_ptr + c[:, None] * s_sc + j[None, :] * s_sw, old, mask=wmask)
-    tl.debug_barrier()  # the scratch copy before any read of it
-    gl = tl.where(part == 3, i - 3 * K, 0)
-    a = tl.exp(tl.load(a_log_ptr + h))
-    dtb = tl.load(dt_bias_ptr + h * K + gl)
-    for t in range(T):
-        y = _conv_out(x_ptr, s_xn, row0, t, conv_w_ptr, tail_ptr, s_sc, s_sw, c, False, T, W, WP)
-        qn = tl.rsqrt(tl.sum(tl.where(part == 0, y * y, 0.0), axis=0) + 1e-6) * scale
-        kn = tl.rsqrt(tl.sum(tl.where(part == 1, y * y, 0.0), axis=0) + 1e-6)
-        y = y * tl.where(part == 0, qn, tl.where(part == 1, kn, 1.0))
-        f = tl.load(f_ptr + (row0 + t) * s_fn + h * K + gl).to(tl.float32) + dtb
-        y = tl.where(part == 3, _decay_of(f, a, lower_bound, BOUNDED), y)
-        tl.store(qkvg_ptr + ((row0 + t) * H + h) * 4 * K + i, y)
-        tl.store(beta_ptr + (row0 + t) * H + h, tl.sigmoid(tl.load(b_ptr + (row0 + t) * s_bn + h).to(tl.float32)))
-    for t in range(T):
-        # the window after token t: positions t+1 .. t+W-1 of [source window (W-1), the T tokens]
-        new = _window_of(x_ptr, s_xn, row0, tail_ptr, s_sc, s_sw, c, t + 1, False, T, W, WP, W - 1)
-        dst = tl.load(table_ptr + n * s_tn + t).to(tl.int64)
-        tl.store(conv_ptr + dst * s_cs + c[:, None] * s_cc + j[None, :] * s_cw, new.to(conv_ptr.dtype.element_ty),
-                 mask=wmask)
+from hyserve.ops.kda_decode import _delta_step, _kda_finish_kernel, _kda_prep_kernel
 
 
 @triton.jit
@@ -89,6 +49,17 @@ def _verify_state_kernel(
         tl.store(sp + dst * s_rs, m)
 
 
+def _conv_windows(x: torch.Tensor, conv_pool: torch.Tensor, slot_table: torch.Tensor, src: torch.Tensor,
+                  t: int, w: int) -> torch.Tensor:
+    """Write the window after each token to its slot; returns the source windows' copy [N, 3P, W-1]."""
+    n = slot_table.shape[0]
+    scratch = conv_pool[slot_table.gather(1, src.view(n, 1).long()).view(n)]
+    rows = torch.cat([scratch, x.reshape(n, t, -1).transpose(1, 2).to(conv_pool.dtype)], -1)  # [N, 3P, W-1+T]
+    windows = torch.stack([rows[..., j + 1 : j + w] for j in range(t)], 1)  # [N, T, 3P, W-1]
+    conv_pool[slot_table[:, :t].reshape(-1)] = windows.reshape(n * t, *windows.shape[2:])
+    return scratch
+
+
 def kda_verify_multi(
     x: torch.Tensor, f: torch.Tensor, b: torch.Tensor, gate: torch.Tensor, conv_weight: torch.Tensor,
     conv_pool: torch.Tensor, rec_pool: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
@@ -100,27 +71,30 @@ def kda_verify_multi(
     and src [N] (the column to start from) in place of slots and fresh flags: verify rows always
     continue a sequence."""
     t = tokens_per_seq
-    h, kd = rec_pool.shape[1], rec_pool.shape[-1]
-    p = h * kd
-    w = conv_weight.shape[-1]
-    assert 1 <= t <= 16 and x.shape[0] % t == 0, "1 to 16 tokens per sequence, the same for every sequence"
-    n = x.shape[0] // t
-    for y in (x, f, b, gate):
-        assert y.stride(-1) == 1 and y.shape[0] == n * t
-    assert slot_table.shape[0] == src.shape[0] == n and slot_table.shape[1] >= t and slot_table.stride(1) == 1
-    assert conv_weight.is_contiguous() and rec_pool.shape[-2] == kd
+    h, kd, w = rec_pool.shape[1], rec_pool.shape[-1], conv_weight.shape[-1]
+    p, n = h * kd, x.shape[0] // max(t, 1)
+    if not 1 <= t <= 16 or n * t != x.shape[0]:
+        raise ValueError("verify rows: 1 to 16 tokens per sequence, the same for every sequence")
+    if any(y.stride(-1) != 1 or y.shape[0] != n * t for y in (x, f, b, gate)):
+        raise ValueError("x, f, b and gate need one row per token and a unit-stride last dimension")
+    if slot_table.shape[0] != n or src.shape[0] != n or slot_table.shape[1] < t or slot_table.stride(1) != 1:
+        raise ValueError("slot_table [N, >= T] (unit-stride rows) and src [N] must describe the N sequences")
+    if not conv_weight.is_contiguous() or rec_pool.shape[-2] != kd:
+        raise ValueError("conv_weight must be contiguous [3P, W] and the state square [H, V, K] with V == K")
     out = torch.empty(n * t, p, dtype=x.dtype, device=x.device)
     if n == 0:
         return out
+    scratch = _conv_windows(x, conv_pool, slot_table, src, t, w)
     lb, bounded = 0.0 if lower_bound is None else float(lower_bound), lower_bound is not None
     qkvg = torch.empty(n * t, h, 4, kd, dtype=torch.float32, device=x.device)
     beta = torch.empty(n * t, h, dtype=torch.float32, device=x.device)
     o_raw = torch.empty(n * t, p, dtype=torch.float32, device=x.device)
-    scratch = torch.empty(n, conv_pool.shape[1], w - 1, dtype=conv_pool.dtype, device=x.device)
-    _verify_prep_kernel[(n, h)](
-        x, x.stride(0), f, f.stride(0), b, b.stride(0), conv_weight, conv_pool, *conv_pool.stride(),
-        scratch, *scratch.stride(), a_log, dt_bias, slot_table, slot_table.stride(0), src, qkvg, beta,
-        p, h, scale, lb, T=t, K=kd, W=w, WP=triton.next_power_of_2(w), BOUNDED=bounded, num_warps=4,
+    rows = torch.arange(n, device=x.device)
+    fresh = torch.zeros(n, dtype=torch.bool, device=x.device)
+    _kda_prep_kernel[(n, h)](
+        x, x.stride(0), f, f.stride(0), b, b.stride(0), conv_weight, scratch, *scratch.stride(),
+        a_log, dt_bias, rows, fresh, qkvg, beta, p, h, scale, lb,
+        T=t, K=kd, W=w, WP=triton.next_power_of_2(w), BOUNDED=bounded, PDL=False, num_warps=4,
     )
     bv = min(block_v, kd)
     _verify_state_kernel[(triton.cdiv(kd, bv), h, n)](

@@ -14,6 +14,7 @@ drafter (config.json, model.safetensors) to --out and dspark_summary.json beside
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -54,9 +55,12 @@ def prompts_of(examples: list[Example], n: int, code_prefix: int = 48) -> list[l
 
 
 def target_llm(target_dir: str, device: str):
+    """The target in the engine, eager, with a third of the GPU for its pools: the training that follows
+    needs the rest."""
     from hyserve import LLM
 
-    return LLM(model=target_dir, device=device, max_num_seqs=256 if device == "cuda" else 8, enforce_eager=True)
+    extra = {"gpu_memory_utilization": 0.3, "max_num_seqs": 256} if device == "cuda" else {"max_num_seqs": 8}
+    return LLM(model=target_dir, device=device, enforce_eager=True, **extra)
 
 
 def continuations(llm, prompts: list[list[int]], max_tokens: int, temperature: float, seed: int = 0) -> list[Example]:
@@ -102,6 +106,7 @@ def run(args: argparse.Namespace) -> dict:
         held_sets["held-out generations, T=1"] = continuations(llm, eval_prompts, args.gen_tokens, 1.0, seed=10**6)
         held_sets["held-out generations, greedy"] = continuations(llm, eval_prompts, args.gen_tokens, 0.0)
         del llm
+        gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
     prepared_s = time.perf_counter() - t0

@@ -7,7 +7,7 @@ forced distribution (Markov bias from the true x_{a+j}) and p_t the target's at 
 
     loss = 0.1 CE(p_d, x_{a+1+j}) + 0.9 |p_d - p_t|_1 + 1.0 BCE(confidence, 1 - |p_d - p_t|_1 / 2)
 
-each position weighted by exp(-j / 4) (DSpark's recipe; round-two research notes in docs/). The metrics
+each position weighted by exp(-j / 4) (DSpark's recipe, DeepSpec's dspark_qwen3_4b config). The metrics
 are the acceptance the drafter would get when serving: alpha_j = 1 - |p_d - p_t|_1 / 2 is the
 probability that draft j is accepted at temperature 1 given the drafts before it were, so the
 expected tokens per verify step is tau = 1 + sum_j prod_{i<=j} alpha_i; the greedy one counts leading
