@@ -171,6 +171,22 @@ def test_drafts_equal_to_the_target_are_always_accepted():
     assert out.num_accepted.tolist() == [3]
 
 
+def test_a_mixed_batch_judges_each_request_by_its_own_settings():
+    """Greedy rows follow the argmax chain even with draft distributions present; sampled rows in the same
+    call keep their masks; a request without drafts just samples its bonus row."""
+    p = torch.stack([processed(TARGET[j], SAMPLED) for j in range(3)])
+    greedy_drafts = TARGET[:3].argmax(-1).tolist()
+    greedy_drafts[2] = (greedy_drafts[2] + 1) % V  # the third is wrong
+    requests = [req(greedy_drafts), req([0, 1, 2], SAMPLED), req([], SAMPLED)]
+    logits = torch.cat([TARGET, TARGET, TARGET[3:]])
+    probs = torch.cat([WRONG_DRAFTER, WRONG_DRAFTER])
+    torch.manual_seed(0)
+    out = rejection_sample(logits, requests, probs).token_lists()
+    assert out[0] == TARGET[:3].argmax(-1).tolist()
+    assert all(p[j][t] > 0 for j, t in enumerate(out[1][:3]))
+    assert len(out[2]) == 1 and processed(TARGET[3], SAMPLED)[out[2][0]] > 0
+
+
 # ---- seeds, logprobs, synthetic -------------------------------------------------------------------
 
 

@@ -69,8 +69,8 @@ def continuations(llm, prompts: list[list[int]], max_tokens: int, temperature: f
 
     if not prompts:
         return []
-    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, skip_special_tokens=False,
-                             seed=None if temperature == 0 else seed + i) for i in range(len(prompts))]
+    torch.manual_seed(seed)  # unseeded requests draw from the global generator: one fast batched draw per step
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, skip_special_tokens=False)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     res = []
     for p, o in zip(prompts, outs):
