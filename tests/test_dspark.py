@@ -130,6 +130,31 @@ def test_drafts_come_with_the_distribution_they_were_drawn_from(drafter):
         assert block.probs[1, j, block.token_ids[1, j]] > 0
 
 
+def test_a_batch_of_requests_drafts_as_each_would_alone(target, drafter):
+    """Padding a short context to the batch's longest changes nothing (the mask hides the padding)."""
+    seqs = {"a": list(range(3, 9)), "b": list(range(10, 30)), "c": [5, 6]}
+    batch = DSparkProposer(drafter, 3)
+    for rid, ids in seqs.items():
+        feats = features_of(target, ids[:-1], drafter.config.target_layer_ids)
+        batch.add_context(rid, feats, torch.arange(len(ids) - 1))
+    anchors = torch.tensor([ids[-1] for ids in seqs.values()])
+    together = batch.propose(list(seqs), anchors)
+    for i, rid in enumerate(seqs):
+        alone = batch.propose([rid], anchors[i : i + 1])
+        assert torch.equal(alone.token_ids[0], together.token_ids[i])
+        assert torch.allclose(alone.confidence[0], together.confidence[i], atol=1e-6)
+
+
+def test_context_rows_must_arrive_in_order(target, drafter):
+    proposer = DSparkProposer(drafter, 2)
+    feats = features_of(target, [3, 4, 5], drafter.config.target_layer_ids)
+    proposer.add_context("r", feats[:2], torch.arange(2))
+    with pytest.raises(ValueError, match="in order"):
+        proposer.add_context("r", feats[2:], torch.tensor([5]))
+    with pytest.raises(ValueError, match="block size"):
+        DSparkProposer(drafter, drafter.config.block_size + 1)
+
+
 def test_save_and_load_round_trip(tmp_path, target, drafter):
     save_drafter(drafter, str(tmp_path), target_info(target, "toy"), dtype=torch.float32)
     loaded = load_drafter(str(tmp_path), target)
