@@ -1,0 +1,1 @@
+"""Speculative decoding: config, drafters, verification (docs/speculative_decoding.md)."""
