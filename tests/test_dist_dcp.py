@@ -110,3 +110,28 @@ def test_combine_zeroes_an_empty_shards_nan_output():
     layout = ParallelConfig(tensor_parallel_size=4, decode_context_parallel_size=4)
     out = rank_pool(4).run(_combine_with_a_nan_empty_shard, layout=layout)
     assert all(f for f, _ in out) and max(e for _, e in out) < 1e-6, out
+
+
+def _model_logits_error(state, preset: str) -> tuple[float, int, int]:
+    """(logits error against one process, latent rows this rank stored, rows one process stored)."""
+    from dist_util import PAGE_BLOCK, run_steps
+
+    from hyserve.distributed.context import StepContext
+    from hyserve.distributed.model import shard_model
+    from hyserve.models.loader import load_model
+
+    model = load_model(preset, dtype="float32")
+    ref, ref_cache = run_steps(model)
+    got, cache = run_steps(shard_model(model, StepContext(state)), batch_block=PAGE_BLOCK * state.dcp.size)
+    stored = int(cache.pages.abs().sum(-1).gt(0).sum())
+    return max(rel_err(g, r) for g, r in zip(got, ref)), stored, int(ref_cache.pages.abs().sum(-1).gt(0).sum())
+
+
+@pytest.mark.parametrize("tp,dcp", [(2, 2), (4, 4), (4, 2)])
+@pytest.mark.parametrize("preset", ["kimi-linear-tiny", "k3-tiny", "k3.1-tiny"])
+def test_dcp_model_logits_equal_one_process(preset, tp, dcp):
+    layout = ParallelConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp)
+    out = rank_pool(tp).run(_model_logits_error, preset, layout=layout)
+    assert max(e for e, _, _ in out) < 1e-5, out
+    # each DCP group stores every latent row once: the ranks of a group together hold what one process holds
+    assert sum(s for _, s, _ in out) == (tp // dcp) * out[0][2]

@@ -73,10 +73,14 @@ def partial_attention(
     dt = torch.float64 if q.dtype == torch.float64 else torch.float32
     r = rows.to(dt)
     scores = torch.einsum("nhr,sr->nhs", q.to(dt), r) * scale
-    scores = scores.masked_fill((row_pos[None, :] > q_pos[:, None])[:, None, :], float("-inf"))
-    lse = torch.logsumexp(scores, -1)
-    p = torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0)[..., None])  # exp(-inf) = 0 on empty rows
+    p, lse = softmax_lse(scores.masked_fill((row_pos[None, :] > q_pos[:, None])[:, None, :], float("-inf")))
     return torch.einsum("nhs,sr->nhr", p, r[:, :kv_lora_rank]), lse
+
+
+def softmax_lse(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(softmax over the last dim, its natural-log LSE); a row of only -inf gives zeros and lse = -inf."""
+    lse = torch.logsumexp(scores, -1)
+    return torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0)[..., None]), lse
 
 
 def combine(o: torch.Tensor, lse: torch.Tensor, group: Group) -> torch.Tensor:

@@ -20,6 +20,9 @@ import math
 import torch
 
 from hyserve.distributed.comm import Group
+from hyserve.distributed.dcp import TokenOwnership, absorb, combine, softmax_lse, up_project
+from hyserve.models.layers.dsa import token_seq_ids
+from hyserve.ops import dsa_indexer as dsa
 
 
 def order_candidates(scores: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,3 +67,45 @@ def merge_topk(
         top = top.clone()
         top[rows] = order_candidates(rs, rp)[1][:, :k]
     return top, int(rows.numel())
+
+
+def dcp_index_topk(indexer, x: torch.Tensor, q_lat: torch.Tensor, batch, cache, own: TokenOwnership, slots: torch.Tensor,
+                   group: Group) -> torch.Tensor:
+    """The DSA indexer of one MLA layer under DCP: store the index keys of the tokens this rank owns,
+    score the step's rows against this rank's keys, merge the top-k over the group. Returns the selected
+    global positions [T, min(k, longest context)] (-1 padded), the same set as `Indexer.forward`."""
+    q, k, w = indexer.project(x, q_lat, None)
+    pool, fmt, layer, bs = cache.index_keys, indexer.fmt, indexer.mla_index, cache.block_size
+    mine = slots >= 0
+    dsa.write_key_records(pool, fmt, layer, slots[mine], dsa.encode_keys(k, fmt, indexer.ue8m0)[mine])
+    lens = [own.local_len(c) for c in batch.context_lens]
+    scores = x.new_full((x.shape[0], max(lens)), float("-inf"), dtype=torch.float32)
+    pos = torch.full(scores.shape, -1, dtype=torch.long, device=x.device)
+    cu = batch.cu_seqlens.tolist()
+    for i, n in enumerate(lens):
+        sl, lp = slice(cu[i], cu[i + 1]), torch.arange(n, device=x.device)
+        stored = dsa.gather_key_records(pool, fmt, layer, batch.block_tables[i, lp // bs], lp % bs)
+        gp = own.global_pos(lp)
+        scores[sl, :n] = indexer.scores(q[sl], w[sl], stored, k.dtype)
+        pos[sl, :n] = torch.where(gp[None, :] <= batch.positions[sl, None], gp[None, :], -1)
+    top, _ = merge_topk(scores, pos, indexer.topk, group)
+    return top[:, : min(indexer.topk, max(batch.context_lens))]
+
+
+def dcp_sparse_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_b: torch.Tensor, pages: torch.Tensor, layer: int,
+                   batch, selected: torch.Tensor, own: TokenOwnership, group: Group, kv_lora_rank: int,
+                   v_head_dim: int, scale: float) -> torch.Tensor:
+    """Sparse absorbed MLA [T, H, d_v] of this rank's heads over the selected global positions: each rank
+    attends over the selected positions it owns (compacted to the front of each row), then LSE combine."""
+    q = group.all_gather(absorb(q_nope, q_rope, kv_b, kv_lora_rank, v_head_dim), dim=1)
+    owned = (selected >= 0) & (own.owner(selected.clamp_min(0)) == own.rank)
+    order = torch.sort((~owned).to(torch.int8), dim=-1, stable=True).indices  # owned first, in selection order
+    sel, valid = selected.gather(1, order), owned.gather(1, order)
+    lp = own.local_pos(sel.clamp_min(0))
+    bs = pages.shape[2]
+    tables = batch.block_tables[token_seq_ids(batch).long()]
+    rows = pages[tables.gather(1, lp // bs), layer, lp % bs].to(q.dtype)  # [T, k, R + d_r]
+    scores = torch.einsum("thr,tkr->thk", q, rows) * scale
+    p, lse = softmax_lse(scores.masked_fill(~valid[:, None, :], float("-inf")))
+    o = torch.einsum("thk,tkr->thr", p, rows[..., :kv_lora_rank])
+    return up_project(combine(o, lse, group), kv_b, v_head_dim)
