@@ -92,3 +92,22 @@ def test_a_collective_error_names_the_group_and_the_timeout():
         pool.close()
     assert "all_reduce over the tp group (ranks [0, 1]) failed on its rank 0" in text
     assert f"within {TIMEOUT_S:g} s" in text
+
+
+def _agree(state) -> tuple[int, int]:
+    from hyserve.distributed.capacity import agree_on_counts
+
+    return agree_on_counts(state.tp, 100 - state.rank, 10 + state.rank)
+
+
+def test_ranks_agree_on_the_smallest_cache(pool2):
+    assert pool2.run(_agree) == [(99, 10), (99, 10)]
+
+
+def test_capacity_under_dcp_counts_w_times_the_context():
+    from hyserve.distributed.capacity import RankCapacity
+
+    tp = RankCapacity(0, 1000, 64, 1, 8, 1 << 20, 1 << 20)
+    dcp = RankCapacity(0, 1000, 64, 4, 8, 1 << 20, 1 << 20)
+    assert dcp.context_tokens == 4 * tp.context_tokens == 256000 and dcp.scheduler_block_size == 256
+    assert "rank 0: 1000 pages x 64 tokens = 0.977 GiB for 256000 context tokens (DCP4" in dcp.describe()

@@ -45,10 +45,10 @@ class Group:
                 f"rank failed or did not join within {self.timeout_s:g} s ({type(e).__name__}: {e})"
             ) from e
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The elementwise sum over the group, in place (the same bits on every rank)."""
+    def all_reduce(self, x: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+        """The elementwise sum (or `op`) over the group, in place (the same bits on every rank)."""
         if self.size > 1:
-            self._run("all_reduce", lambda: dist.all_reduce(x, group=self.pg))
+            self._run("all_reduce", lambda: dist.all_reduce(x, op=op, group=self.pg))
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:

@@ -32,6 +32,9 @@ class RankFailedError(RuntimeError):
 def _worker(rank: int, config: ParallelConfig, port: int, device: str, timeout_s: float, threads: int,
             tasks: Any, results: Any) -> None:
     torch.set_num_threads(threads)
+    if device == "cuda":  # one GPU per rank
+        device = f"cuda:{rank}"
+        torch.cuda.set_device(rank)
     try:
         store = dist.TCPStore("127.0.0.1", port, None, is_master=False)
         join(config.world_size, rank, store, device=device, timeout_s=timeout_s)
@@ -52,7 +55,8 @@ def _worker(rank: int, config: ParallelConfig, port: int, device: str, timeout_s
 
 
 class RankPool:
-    """`config.world_size` worker processes (spawned: CUDA and a forked parent do not mix)."""
+    """`config.world_size` worker processes (spawned: CUDA and a forked parent do not mix). device "cuda"
+    gives rank r the GPU cuda:r (and NCCL); "cpu" gives gloo."""
 
     def __init__(self, config: ParallelConfig, *, device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S,
                  start_timeout_s: float = 180.0, threads: int | None = None):
