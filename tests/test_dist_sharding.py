@@ -68,7 +68,7 @@ def test_safetensors_slices_equal_tensor_slices(tmp_path):
 
 
 def test_a_padded_a_log_reads_only_the_head_range(tmp_path):
-    # K3 stores A_log as [128] with the heads first and zeros after (spec: narrow to the heads)
+    # K3 stores A_log as [128]: the heads first, zeros after; a rank reads only its heads
     heads = torch.arange(1.0, 9.0)
     save_file({"A_log": torch.cat([heads, torch.zeros(8)])}, str(tmp_path / "a.safetensors"))
     spec = Split(0, 8, 4)
