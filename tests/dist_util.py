@@ -24,6 +24,19 @@ def rank_pool(world: int) -> RankPool:
     return pool
 
 
+def logits_error(state, preset: str, sequence_parallel: bool = False, dtype: str = "float32") -> float:
+    """The rank model's worst relative logits error against one process over the scenario steps."""
+    from hyserve.distributed.context import StepContext
+    from hyserve.distributed.model import shard_model
+    from hyserve.models.loader import load_model
+
+    model = load_model(preset, dtype=dtype, device=state.device)
+    ref, _ = run_steps(model)
+    rank_model = shard_model(model, StepContext(state, sequence_parallel=sequence_parallel))
+    got, _ = run_steps(rank_model, batch_block=PAGE_BLOCK * state.dcp.size)
+    return max(rel_err(g.cpu(), r.cpu()) for g, r in zip(got, ref))
+
+
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     """max |got - ref| / max |ref|."""
     return float((got.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_util import rank_pool, rel_err, run_steps
+from dist_util import logits_error, rank_pool
 
 from hyserve.distributed import ParallelConfig
 from hyserve.distributed.context import StepContext
@@ -67,15 +67,8 @@ def test_moe_block_equals_one_device_bitwise(preset, world, tokens):
     assert all(rank_pool(world).run(_moe_block_bitwise, preset, tokens, layout=_ep(world)))
 
 
-def _logits_error(state, preset: str) -> float:
-    model = load_model(preset, dtype="float32")
-    ref, _ = run_steps(model)
-    got, _ = run_steps(shard_model(model, StepContext(state)))
-    return max(rel_err(g, r) for g, r in zip(got, ref))
-
-
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("preset", ["kimi-linear-tiny", "k3-tiny", "k3.1-tiny"])
 def test_tp_ep_logits_equal_single_process(preset, world):
-    errors = rank_pool(world).run(_logits_error, preset, layout=_ep(world))
+    errors = rank_pool(world).run(logits_error, preset, layout=_ep(world))
     assert max(errors) < 1e-5, errors

@@ -8,12 +8,13 @@ import time
 
 import pytest
 import torch
+from dist_util import rank_pool
 
 from hyserve.distributed import ParallelConfig
 from hyserve.distributed.comm import CollectiveError
 from hyserve.distributed.launch import RankFailedError, RankPool
 
-TIMEOUT_S = 3.0
+TIMEOUT_S = 2.0
 
 
 def _sum_of_ranks(state) -> float:
@@ -38,7 +39,7 @@ def _rank1_dies(state) -> float:
 
 def _collective_error_text(state) -> str:
     if state.rank == 1:
-        time.sleep(TIMEOUT_S + 2)  # alive but never joins
+        time.sleep(TIMEOUT_S + 1)  # alive but never joins
         return ""
     try:
         _sum_of_ranks(state)
@@ -47,20 +48,13 @@ def _collective_error_text(state) -> str:
     return "no error"
 
 
-@pytest.fixture(scope="module")
-def pool2():
-    with RankPool(ParallelConfig(tensor_parallel_size=2), timeout_s=TIMEOUT_S, threads=1) as pool:
-        yield pool
-
-
-def test_run_returns_each_ranks_result(pool2):
-    assert pool2.run(_sum_of_ranks) == [1.0, 1.0]
+def test_run_returns_each_ranks_result():
+    assert rank_pool(2).run(_sum_of_ranks) == [1.0, 1.0]
 
 
 def test_groups_follow_the_layout():
     cfg = ParallelConfig(tensor_parallel_size=4, enable_expert_parallel=True, decode_context_parallel_size=2)
-    with RankPool(cfg, timeout_s=TIMEOUT_S, threads=1) as pool:
-        got = pool.run(_groups)
+    got = rank_pool(4).run(_groups, layout=cfg)
     assert got == [(4, 4, 0, [0, 1]), (4, 4, 1, [0, 1]), (4, 4, 0, [2, 3]), (4, 4, 1, [2, 3])]
 
 
@@ -100,8 +94,8 @@ def _agree(state) -> tuple[int, int]:
     return agree_on_counts(state.tp, 100 - state.rank, 10 + state.rank)
 
 
-def test_ranks_agree_on_the_smallest_cache(pool2):
-    assert pool2.run(_agree) == [(99, 10), (99, 10)]
+def test_ranks_agree_on_the_smallest_cache():
+    assert rank_pool(2).run(_agree) == [(99, 10), (99, 10)]
 
 
 def test_capacity_under_dcp_counts_w_times_the_context():

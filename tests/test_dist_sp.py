@@ -6,21 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_util import rank_pool, rel_err, run_steps
+from dist_util import logits_error, rank_pool, rel_err
 
 from hyserve.distributed import ParallelConfig
 from hyserve.distributed.context import StepContext
 from hyserve.distributed.model import shard_model
 from hyserve.models.batch import Batch
 from hyserve.models.loader import load_model
-
-
-def _logits_error(state, preset: str) -> float:
-    model = load_model(preset, dtype="float32")
-    ref, _ = run_steps(model)
-    got, _ = run_steps(shard_model(model, StepContext(state, sequence_parallel=True)))
-    return max(rel_err(g, r) for g, r in zip(got, ref))
-
 
 LAYOUTS = [ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=True),
            ParallelConfig(tensor_parallel_size=4, enable_expert_parallel=True),
@@ -30,7 +22,7 @@ LAYOUTS = [ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=True),
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda p: f"tp{p.tensor_parallel_size}{'ep' * p.enable_expert_parallel}")
 @pytest.mark.parametrize("preset", ["kimi-linear-tiny", "k3-tiny", "k3.1-tiny"])
 def test_sequence_parallel_logits_equal_single_process(preset, layout):
-    errors = rank_pool(layout.world_size).run(_logits_error, preset, layout=layout)
+    errors = rank_pool(layout.world_size).run(logits_error, preset, True, layout=layout)
     assert max(errors) < 1e-5, errors
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_util import rank_pool, rel_err, run_steps
+from dist_util import logits_error, rank_pool, rel_err, run_steps
 
 from hyserve.distributed.context import StepContext
 from hyserve.distributed.model import shard_model
@@ -15,17 +15,10 @@ from hyserve.models.loader import load_model
 PRESETS = ["kimi-linear-tiny", "k3-tiny", "k3.1-tiny"]
 
 
-def _logits_error(state, preset: str) -> float:
-    model = load_model(preset, dtype="float32")
-    ref, _ = run_steps(model)
-    got, _ = run_steps(shard_model(model, StepContext(state)))
-    return max(rel_err(g, r) for g, r in zip(got, ref))
-
-
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("preset", PRESETS)
 def test_tp_logits_equal_single_process(preset, world):
-    errors = rank_pool(world).run(_logits_error, preset)
+    errors = rank_pool(world).run(logits_error, preset)
     assert max(errors) < 1e-5, errors
 
 

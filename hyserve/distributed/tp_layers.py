@@ -34,29 +34,27 @@ class VocabParallelEmbedding(nn.Embedding):
         return self.ctx.reduce(y)
 
 
-class TPKimiDeltaAttention(KimiDeltaAttention):
+class _RowParallelAttention:
+    """An attention layer at a rank's head count: column-parallel projections in, the output
+    projection's partial sum reduced over the ranks (under SP: the step's tokens gathered first)."""
+
+    def __init__(self, local_cfg: ModelConfig, layer_index: int, ctx: StepContext):
+        super().__init__(local_cfg, layer_index)
+        self.ctx = ctx
+
+    def forward(self, x: torch.Tensor, batch: Batch, cache: CacheTensors) -> torch.Tensor:
+        return self.ctx.reduce(super().forward(self.ctx.gather_input(x), batch, cache))
+
+
+class TPKimiDeltaAttention(_RowParallelAttention, KimiDeltaAttention):
     """KDA with this rank's heads: its q/k/v, conv channels, gate rows, A_log and dt_bias entries, and
     o_proj columns; its state slots hold only its heads."""
 
-    def __init__(self, local_cfg: ModelConfig, kda_index: int, ctx: StepContext):
-        super().__init__(local_cfg, kda_index)
-        self.ctx = ctx
 
-    def forward(self, x: torch.Tensor, batch: Batch, cache: CacheTensors) -> torch.Tensor:
-        return self.ctx.reduce(super().forward(self.ctx.gather_input(x), batch, cache))
-
-
-class TPMLAttention(MLAttention):
+class TPMLAttention(_RowParallelAttention, MLAttention):
     """MLA with this rank's query heads (q_b / q_proj rows, kv_b rows, g_proj rows, o_proj columns); the
     latent (q_a, kv_a, the cache rows) and the DSA indexer are replicated: every rank writes the same
     rows into its own cache."""
-
-    def __init__(self, local_cfg: ModelConfig, mla_index: int, ctx: StepContext):
-        super().__init__(local_cfg, mla_index)
-        self.ctx = ctx
-
-    def forward(self, x: torch.Tensor, batch: Batch, cache: CacheTensors) -> torch.Tensor:
-        return self.ctx.reduce(super().forward(self.ctx.gather_input(x), batch, cache))
 
 
 class TPDenseMLP(DenseMLP):

@@ -11,26 +11,13 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from dist_util import PAGE_BLOCK, rel_err, run_steps  # noqa: E402
+from dist_util import logits_error  # noqa: E402
 
 from hyserve.distributed import ParallelConfig  # noqa: E402
-from hyserve.distributed.context import StepContext  # noqa: E402
 from hyserve.distributed.launch import RankPool  # noqa: E402
-from hyserve.distributed.model import shard_model  # noqa: E402
-from hyserve.models.loader import load_model  # noqa: E402
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = pytest.mark.skipif(GPUS < 2, reason="needs 2 CUDA GPUs")
-
-
-def _logits_error(state, preset: str, dtype: str, sequence_parallel: bool) -> float:
-    model = load_model(preset, dtype=dtype, device=state.device)
-    ref, _ = run_steps(model)
-    rank_model = shard_model(model, StepContext(state, sequence_parallel=sequence_parallel))
-    got, _ = run_steps(rank_model, batch_block=PAGE_BLOCK * state.dcp.size)
-    return max(rel_err(g.cpu(), r.cpu()) for g, r in zip(got, ref))
-
-
 
 
 @pytest.fixture(scope="module", params=[w for w in (2, 4) if w <= GPUS])
@@ -45,6 +32,6 @@ def pool(request):
 def test_layout_logits_match_one_gpu(pool, preset, layout, dtype, tol):
     w = pool.world
     kw = dict(enable_expert_parallel="ep" in layout, decode_context_parallel_size=w if layout == "dcp" else 1)
-    errors = pool.run(_logits_error, preset, dtype, layout.endswith("sp"),
+    errors = pool.run(logits_error, preset, layout.endswith("sp"), dtype,
                       layout=ParallelConfig(tensor_parallel_size=w, **kw))
     assert max(errors) < tol, errors
