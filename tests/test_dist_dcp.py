@@ -127,10 +127,10 @@ def _model_logits_error(state, preset: str) -> tuple[float, int, int]:
     return max(rel_err(g, r) for g, r in zip(got, ref)), stored, int(ref_cache.pages.abs().sum(-1).gt(0).sum())
 
 
-@pytest.mark.parametrize("tp,dcp", [(2, 2), (4, 4), (4, 2)])
+@pytest.mark.parametrize("tp,dcp,ep", [(2, 2, False), (4, 4, False), (4, 2, False), (4, 2, True)])
 @pytest.mark.parametrize("preset", ["kimi-linear-tiny", "k3-tiny", "k3.1-tiny"])
-def test_dcp_model_logits_equal_one_process(preset, tp, dcp):
-    layout = ParallelConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp)
+def test_dcp_model_logits_equal_one_process(preset, tp, dcp, ep):
+    layout = ParallelConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp, enable_expert_parallel=ep)
     out = rank_pool(tp).run(_model_logits_error, preset, layout=layout)
     assert max(e for e, _, _ in out) < 1e-5, out
     # each DCP group stores every latent row once: the ranks of a group together hold what one process holds

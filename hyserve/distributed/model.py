@@ -11,6 +11,7 @@ import torch
 
 from hyserve.distributed.config import check_model_splits
 from hyserve.distributed.context import StepContext
+from hyserve.distributed.dcp_mla import DCPMLAttention
 from hyserve.distributed.moe import ParallelMoE
 from hyserve.distributed.sharding import param_specs
 from hyserve.distributed.tp_layers import (
@@ -53,8 +54,6 @@ class ParallelCausalLM(KimiForCausalLM):
             if cfg.layer_types[i] == "kda":
                 layer.self_attn = TPKimiDeltaAttention(local, cfg.kda_layers.index(i), ctx)
             elif dcp:
-                from hyserve.distributed.dcp_mla import DCPMLAttention
-
                 layer.self_attn = DCPMLAttention(local, cfg.mla_layers.index(i), ctx)
             else:
                 layer.self_attn = TPMLAttention(local, cfg.mla_layers.index(i), ctx)
