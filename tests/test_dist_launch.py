@@ -1,0 +1,107 @@
+"""The rank pool and its process groups on gloo: results come back per rank, and a rank that fails makes
+the call fail with an error naming it, within the group timeout, instead of hanging."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from dist_util import rank_pool
+
+from hyserve.distributed import ParallelConfig
+from hyserve.distributed.comm import CollectiveError
+from hyserve.distributed.launch import RankFailedError, RankPool
+
+TIMEOUT_S = 2.0
+
+
+def _sum_of_ranks(state) -> float:
+    return float(state.tp.all_reduce(torch.tensor([float(state.rank)])).item())
+
+
+def _groups(state) -> tuple[int, int, int, list[int]]:
+    return state.tp.size, state.ep.size, state.dcp.rank, state.dcp.ranks
+
+
+def _rank1_raises(state) -> float:
+    if state.rank == 1:
+        raise ValueError("weights of rank 1 are corrupt")
+    return _sum_of_ranks(state)
+
+
+def _rank1_dies(state) -> float:
+    if state.rank == 1:
+        os._exit(7)
+    return _sum_of_ranks(state)
+
+
+def _collective_error_text(state) -> str:
+    if state.rank == 1:
+        time.sleep(TIMEOUT_S + 1)  # alive but never joins
+        return ""
+    try:
+        _sum_of_ranks(state)
+    except CollectiveError as e:
+        return str(e)
+    return "no error"
+
+
+def test_run_returns_each_ranks_result():
+    assert rank_pool(2).run(_sum_of_ranks) == [1.0, 1.0]
+
+
+def test_groups_follow_the_layout():
+    cfg = ParallelConfig(tensor_parallel_size=4, enable_expert_parallel=True, decode_context_parallel_size=2)
+    got = rank_pool(4).run(_groups, layout=cfg)
+    assert got == [(4, 4, 0, [0, 1]), (4, 4, 1, [0, 1]), (4, 4, 0, [2, 3]), (4, 4, 1, [2, 3])]
+
+
+def test_a_rank_that_raises_fails_the_call_within_the_timeout():
+    pool = RankPool(ParallelConfig(tensor_parallel_size=2), timeout_s=TIMEOUT_S, threads=1)
+    t0 = time.monotonic()
+    with pytest.raises(RankFailedError) as err:
+        pool.run(_rank1_raises)
+    assert time.monotonic() - t0 < 2 * TIMEOUT_S + 10
+    assert "rank 1" in str(err.value) and "weights of rank 1 are corrupt" in str(err.value)
+    assert "rank 0" in str(err.value) and "CollectiveError" in str(err.value)  # the peer timed out, not hung
+    with pytest.raises(RankFailedError, match="failed earlier"):
+        pool.run(_sum_of_ranks)
+
+
+def test_a_rank_that_dies_fails_the_call():
+    pool = RankPool(ParallelConfig(tensor_parallel_size=2), timeout_s=TIMEOUT_S, threads=1)
+    t0 = time.monotonic()
+    with pytest.raises(RankFailedError, match="exited with code 7"):
+        pool.run(_rank1_dies)
+    assert time.monotonic() - t0 < 2 * TIMEOUT_S + 10
+
+
+def test_a_collective_error_names_the_group_and_the_timeout():
+    pool = RankPool(ParallelConfig(tensor_parallel_size=2), timeout_s=TIMEOUT_S, threads=1)
+    try:
+        text = pool.run(_collective_error_text)[0]
+    finally:
+        pool.close()
+    assert "all_reduce over the tp group (ranks [0, 1]) failed on its rank 0" in text
+    assert f"within {TIMEOUT_S:g} s" in text
+
+
+def _agree(state) -> tuple[int, int]:
+    from hyserve.distributed.capacity import agree_on_counts
+
+    return agree_on_counts(state.tp, 100 - state.rank, 10 + state.rank)
+
+
+def test_ranks_agree_on_the_smallest_cache():
+    assert rank_pool(2).run(_agree) == [(99, 10), (99, 10)]
+
+
+def test_capacity_under_dcp_counts_w_times_the_context():
+    from hyserve.distributed.capacity import RankCapacity
+
+    tp = RankCapacity(0, 1000, 64, 1, 8, 1 << 20, 1 << 20)
+    dcp = RankCapacity(0, 1000, 64, 4, 8, 1 << 20, 1 << 20)
+    assert dcp.context_tokens == 4 * tp.context_tokens == 256000 and dcp.scheduler_block_size == 256
+    assert "rank 0: 1000 pages x 64 tokens = 0.977 GiB for 256000 context tokens (DCP4" in dcp.describe()
