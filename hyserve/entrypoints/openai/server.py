@@ -35,6 +35,7 @@ from hyserve.entrypoints.openai.protocol import (
 from hyserve.entrypoints.openai.serving_chat import create_chat_completion
 from hyserve.entrypoints.openai.serving_common import ServerState
 from hyserve.entrypoints.openai.serving_completion import create_completion
+from hyserve.entrypoints.openai.serving_responses import responses_router
 from hyserve.metrics import ServerMetrics
 from hyserve.tokenizer import load_tokenizer
 
@@ -198,6 +199,8 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         return await create_chat_completion(state(), req, request)
+
+    app.include_router(responses_router(state))
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict:
