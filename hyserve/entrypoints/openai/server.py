@@ -21,6 +21,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import hyserve
 from hyserve.config import EMBEDDED_MODEL_DIR, EMBEDDED_MODEL_NAME, EngineConfig
 from hyserve.engine.engine_client import AsyncEngineClient
+from hyserve.entrypoints.anthropic.protocol import error_body as anthropic_error_body
+from hyserve.entrypoints.anthropic.serving_messages import messages_router
 from hyserve.entrypoints.chat import get_chat_encoder
 from hyserve.entrypoints.engine_args import cache_config_kwargs
 from hyserve.entrypoints.openai.protocol import (
@@ -47,7 +49,7 @@ _PARSER_FAMILIES = {"kimi_k3": "k3", "k3": "k3", "kimi_k2": "k2", "k2": "k2"}
 
 
 class RequestIdAndAuth:
-    """ASGI middleware: echo X-Request-Id, and check the bearer token. Pure ASGI (not BaseHTTPMiddleware),
+    """ASGI middleware: echo X-Request-Id, and check the API key. Pure ASGI (not BaseHTTPMiddleware),
     so streaming responses and disconnect detection pass through untouched."""
 
     def __init__(self, app, api_key: str | None) -> None:
@@ -60,10 +62,13 @@ class RequestIdAndAuth:
         request_id = headers.get(b"x-request-id")
         if self.api_key and scope["path"].startswith(_PROTECTED_PREFIXES):
             auth = headers.get(b"authorization", b"").decode("latin-1")
-            if auth != f"Bearer {self.api_key}":
-                err = APIError(401, "Invalid or missing API key.")
+            # Anthropic's clients send the key as `x-api-key`, OpenAI's as a bearer token: either will do.
+            if auth != f"Bearer {self.api_key}" and headers.get(b"x-api-key", b"").decode("latin-1") != self.api_key:
+                message = "Invalid or missing API key."
+                anthropic = scope["path"].startswith("/v1/messages")
+                body = anthropic_error_body(401, message) if anthropic else APIError(401, message).body()
                 extra = {"x-request-id": request_id.decode("latin-1")} if request_id else {}
-                return await JSONResponse(err.body(), status_code=401, headers=extra)(scope, receive, send)
+                return await JSONResponse(body, status_code=401, headers=extra)(scope, receive, send)
 
         async def send_with_id(message) -> None:
             if request_id and message["type"] == "http.response.start":
@@ -201,6 +206,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         return await create_chat_completion(state(), req, request)
 
     app.include_router(responses_router(state))
+    app.include_router(messages_router(state))
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict:
