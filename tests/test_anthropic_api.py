@@ -177,7 +177,7 @@ def test_output_config_format_constrains_the_answer_to_the_schema(client):
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
               "additionalProperties": False}
     m = client.messages.create(model=MODEL, max_tokens=200, messages=HI,
-                               output_config={"format": {"type": "json_schema", "schema": schema}})
+                               extra_body={"output_config": {"format": {"type": "json_schema", "schema": schema}}})
     assert isinstance(json.loads(m.content[0].text)["ok"], bool)
 
 
