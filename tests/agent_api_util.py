@@ -9,10 +9,17 @@ import time
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.server_util import live_server
+
 # Servers of these tests reserve few checkpoint slots, so that what may stay pinned at idle (one tail page
 # per prefix-cache checkpoint) is small next to what a leaked request would hold.
 CHECKPOINT_SLOTS = 4
-SERVER_FLAGS = ("--num-checkpoint-slots", str(CHECKPOINT_SLOTS))
+
+
+def api_server(*flags: str, **kwargs):
+    """`live_server` with the checkpoint slots the pool check expects."""
+    return live_server("--num-checkpoint-slots", str(CHECKPOINT_SLOTS), *flags, **kwargs)
+
 
 WEATHER_PARAMETERS = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]}
 LOOKUP_DESCRIPTION = "Look up a Python standard library function or class."

@@ -20,11 +20,10 @@ from tests.agent_api_util import (
     JSON_DUMPS_DOC,
     LOOKUP_DESCRIPTION,
     LOOKUP_PARAMETERS,
-    SERVER_FLAGS,
+    api_server,
     assert_pool_idle,
     sse_events,
 )
-from tests.server_util import live_server
 
 pytestmark = pytest.mark.skipif(not os.path.isfile(os.path.join(EMBEDDED_MODEL_DIR, "config.json")),
                                 reason="no trained checkpoint shipped in hyserve/assets/hyserve-tiny-k3")
@@ -40,7 +39,7 @@ GREEDY = {"temperature": 0}
 
 @pytest.fixture(scope="module")
 def server():
-    with live_server(*SERVER_FLAGS, model=EMBEDDED_MODEL_DIR) as url:
+    with api_server(model=EMBEDDED_MODEL_DIR) as url:
         yield url
 
 

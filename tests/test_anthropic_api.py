@@ -11,27 +11,19 @@ import anthropic
 import httpx
 import pytest
 
-from tests.agent_api_util import (
-    SERVER_FLAGS,
-    WEATHER_PARAMETERS,
-    assert_pool_idle,
-    post,
-    sse_events,
-    stream_then_disconnect,
-)
-from tests.server_util import live_server
+from tests import agent_api_util as api
 
 MODEL = "k3-tiny"
 KEY = "sekrit"
 AUTH = {"x-api-key": KEY}
 GREEDY = {"temperature": 0}  # the SDK dropped `temperature`; the API still takes it
 HI = [{"role": "user", "content": "hello"}]
-WEATHER = {"name": "get_weather", "description": "The weather in a city.", "input_schema": WEATHER_PARAMETERS}
+WEATHER = {"name": "get_weather", "description": "The weather in a city.", "input_schema": api.WEATHER_PARAMETERS}
 
 
 @pytest.fixture(scope="module")
 def server():
-    with live_server("--api-key", KEY, *SERVER_FLAGS) as url:
+    with api.api_server("--api-key", KEY) as url:
         yield url
 
 
@@ -43,12 +35,12 @@ def client(server):
 @pytest.fixture(autouse=True)
 def _pool_is_empty_after_each_test(server):
     yield
-    assert_pool_idle(server)
+    api.assert_pool_idle(server)
 
 
 def test_the_api_key_comes_as_x_api_key_or_bearer_token(server):
     body = {"model": MODEL, "max_tokens": 1, "messages": HI}
-    missing = post(server, "/v1/messages", body)
+    missing = api.post(server, "/v1/messages", body)
     assert missing.status_code == 401
     assert missing.json() == {"type": "error", "error": {"type": "authentication_error",
                                                          "message": "Invalid or missing API key."}}
@@ -56,7 +48,7 @@ def test_the_api_key_comes_as_x_api_key_or_bearer_token(server):
         anthropic.Anthropic(base_url=server, api_key="wrong", max_retries=0).messages.create(**body)
     bearer = anthropic.Anthropic(base_url=server, auth_token=KEY, max_retries=0)
     assert bearer.messages.create(**body).stop_reason
-    assert post(server, "/v1/messages", body, AUTH).status_code == 200
+    assert api.post(server, "/v1/messages", body, AUTH).status_code == 200
 
 
 def test_a_text_answer_with_usage_and_stop_reason(client):
@@ -91,7 +83,7 @@ def test_a_stop_sequence_ends_the_answer(client):
 
 def test_streaming_sends_anthropic_events_and_the_sdk_accumulates_them(server, client):
     body = {"model": MODEL, "max_tokens": 6, "messages": HI, **GREEDY}
-    events = sse_events(server, "/v1/messages", {**body, "stream": True}, AUTH)
+    events = api.sse_events(server, "/v1/messages", {**body, "stream": True}, AUTH)
     names = [n for n, _ in events]
     assert names[:4] == ["message_start", "ping", "content_block_start", "content_block_delta"]
     assert names[-4:] == ["content_block_delta", "content_block_stop", "message_delta", "message_stop"]
@@ -110,7 +102,7 @@ def test_streaming_sends_anthropic_events_and_the_sdk_accumulates_them(server, c
 def test_a_forced_tool_use_streams_its_input_as_json(server, client):
     body = {"model": MODEL, "max_tokens": 300, "messages": [{"role": "user", "content": "weather?"}],
             "tools": [WEATHER], "tool_choice": {"type": "any", "disable_parallel_tool_use": True}}
-    events = sse_events(server, "/v1/messages", {**body, "stream": True}, AUTH)
+    events = api.sse_events(server, "/v1/messages", {**body, "stream": True}, AUTH)
     start = next(d for n, d in events if n == "content_block_start")
     assert start["content_block"]["type"] == "tool_use" and start["content_block"]["input"] == {}
     (partial,) = [d["delta"]["partial_json"] for n, d in events if n == "content_block_delta"]
@@ -142,7 +134,7 @@ def test_a_tool_use_and_tool_result_loop_renders_like_chat(client):
     second = client.messages.create(model=MODEL, max_tokens=3, tools=[WEATHER], messages=follow)
     chat = httpx.post(f"{client.base_url}/v1/chat/completions", headers=AUTH, timeout=60, json={
         "model": MODEL, "max_tokens": 1, "tools": [{"type": "function", "function": {
-            "name": WEATHER["name"], "description": WEATHER["description"], "parameters": WEATHER_PARAMETERS}}],
+            "name": WEATHER["name"], "description": WEATHER["description"], "parameters": api.WEATHER_PARAMETERS}}],
         "chat_template_kwargs": {"thinking": False}, "messages": [
             {"role": "user", "content": "weather?"},
             {"role": "assistant", "content": "", "tool_calls": [{"id": use.id, "type": "function", "function": {
@@ -155,14 +147,14 @@ def test_a_tool_use_and_tool_result_loop_renders_like_chat(client):
 
 
 def test_thinking_on_gives_thinking_blocks_and_off_gives_none(server):
-    on = sse_events(server, "/v1/messages", {"model": MODEL, "max_tokens": 1100, "messages": HI, "stream": True,
+    on = api.sse_events(server, "/v1/messages", {"model": MODEL, "max_tokens": 1100, "messages": HI, "stream": True,
                                              "thinking": {"type": "enabled", "budget_tokens": 1024},
                                              "output_config": {"effort": "low"}}, AUTH)
     start = next(d for n, d in on if n == "content_block_start")
     assert start["content_block"]["type"] == "thinking"
     kinds = [d["delta"]["type"] for n, d in on if n == "content_block_delta"]
     assert "thinking_delta" in kinds and "signature_delta" in kinds
-    off = post(server, "/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": HI}, AUTH).json()
+    off = api.post(server, "/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": HI}, AUTH).json()
     assert [b["type"] for b in off["content"]] == ["text"]
 
 
@@ -190,7 +182,7 @@ def test_count_tokens_counts_system_tools_and_messages(client):
 
 def test_disconnect_mid_stream_aborts_the_request(server):
     body = {"model": MODEL, "max_tokens": 3000, "messages": [{"role": "user", "content": "x" * 500}], "stream": True}
-    stream_then_disconnect(server, "/v1/messages", body, AUTH)
+    api.stream_then_disconnect(server, "/v1/messages", body, AUTH)
 
 
 TEXT = [{"role": "user", "content": "hi"}]
@@ -228,13 +220,19 @@ BAD_REQUESTS = [
       "output_config": {"effort": "medium"}}, 400, "invalid_request_error", "thinking_effort"),
     ({**OK, "mcp_servers": [{"type": "url", "url": "http://x", "name": "x"}]}, 400, "invalid_request_error", "mcp"),
     (b'{"model": "k3-tiny", ', 400, "invalid_request_error", "Invalid JSON"),
+    (b'{"model": "k3-tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "\xff\xfe"}]}', 400,
+     "invalid_request_error", "parsing the body"),
+    (b'{"model": "k3-tiny", "max_tokens": 4, "temperature": NaN, "messages": [{"role": "user", "content": "hi"}]}',
+     400, "invalid_request_error", "temperature"),
+    (b'{"model": "k3-tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "\\ud800"}]}', 400,
+     "invalid_request_error", "surrogates not allowed"),
 ]
 
 
 @pytest.mark.parametrize(("body", "status", "kind", "needle"), BAD_REQUESTS, ids=[str(i) for i in range(len(BAD_REQUESTS))])
 def test_bad_requests_answer_in_anthropic_shape_and_the_server_keeps_serving(server, client, body, status, kind,
                                                                              needle):
-    r = post(server, "/v1/messages", body, AUTH)
+    r = api.post(server, "/v1/messages", body, AUTH)
     assert r.status_code == status, r.text
     payload = r.json()
     assert payload["type"] == "error" and payload["error"]["type"] == kind, payload
@@ -243,5 +241,12 @@ def test_bad_requests_answer_in_anthropic_shape_and_the_server_keeps_serving(ser
 
 
 def test_count_tokens_refuses_bad_input_in_anthropic_shape(server):
-    r = post(server, "/v1/messages/count_tokens", {"model": MODEL, "messages": "hi"}, AUTH)
+    r = api.post(server, "/v1/messages/count_tokens", {"model": MODEL, "messages": "hi"}, AUTH)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_unknown_paths_and_methods_under_v1_messages_answer_in_anthropic_shape(server):
+    r = httpx.get(f"{server}/v1/messages", headers=AUTH)
+    assert r.status_code == 405 and r.json()["type"] == "error" and "POST" in r.headers["allow"]
+    r = httpx.post(f"{server}/v1/messages/batches", headers=AUTH, json={})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"

@@ -15,14 +15,13 @@ import openai
 import pytest
 
 from tests.agent_api_util import (
-    SERVER_FLAGS,
     WEATHER_PARAMETERS,
+    api_server,
     assert_pool_idle,
     post,
     sse_events,
     stream_then_disconnect,
 )
-from tests.server_util import live_server
 
 MODEL = "k3-tiny"
 NO_THINK = {"effort": "none"}
@@ -33,7 +32,7 @@ FORCED = {"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": 
 
 @pytest.fixture(scope="module")
 def server():
-    with mock.patch.dict(os.environ, {"HYSERVE_RESPONSES_STORE_SIZE": "4"}), live_server(*SERVER_FLAGS) as url:
+    with mock.patch.dict(os.environ, {"HYSERVE_RESPONSES_STORE_SIZE": "4"}), api_server() as url:
         yield url
 
 
@@ -229,6 +228,8 @@ BAD_REQUESTS = [
     ({"input": "hi", "include": ["message.output_text.logprobs"]}, 400, "include", "logprobs"),
     (b'{"input": "\\ud800"}', 400, "input", "surrogates not allowed"),
     (b'{"input": ', 400, None, "Invalid JSON"),
+    (b'{"input": "hi", "temperature": NaN}', 400, "temperature", "temperature"),
+    (b'{"input": "\xff\xfe"}', 400, None, "parsing the body"),
 ]
 
 

@@ -48,6 +48,11 @@ _PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 _PARSER_FAMILIES = {"kimi_k3": "k3", "k3": "k3", "kimi_k2": "k2", "k2": "k2"}
 
 
+def _is_anthropic(path: str) -> bool:
+    """Paths of the Anthropic Messages API, whose errors have Anthropic's shape."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
 class RequestIdAndAuth:
     """ASGI middleware: echo X-Request-Id, and check the API key. Pure ASGI (not BaseHTTPMiddleware),
     so streaming responses and disconnect detection pass through untouched."""
@@ -65,8 +70,7 @@ class RequestIdAndAuth:
             # Anthropic's clients send the key as `x-api-key`, OpenAI's as a bearer token: either will do.
             if auth != f"Bearer {self.api_key}" and headers.get(b"x-api-key", b"").decode("latin-1") != self.api_key:
                 message = "Invalid or missing API key."
-                anthropic = scope["path"].startswith("/v1/messages")
-                body = anthropic_error_body(401, message) if anthropic else APIError(401, message).body()
+                body = anthropic_error_body(401, message) if _is_anthropic(scope["path"]) else APIError(401, message).body()
                 extra = {"x-request-id": request_id.decode("latin-1")} if request_id else {}
                 return await JSONResponse(body, status_code=401, headers=extra)(scope, receive, send)
 
@@ -162,11 +166,12 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         return JSONResponse(APIError(400, message, param).body(), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # Routing (404/405) and body-parsing errors (bad UTF-8, nesting too deep) get the OpenAI error
         # shape too, not FastAPI's {"detail": ...}, so clients can read them like every other error.
         err = APIError(exc.status_code, str(exc.detail), headers=exc.headers)
-        return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
+        body = anthropic_error_body(exc.status_code, err.message) if _is_anthropic(request.url.path) else err.body()
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(UnicodeEncodeError)
     async def _unencodable_text(_: Request, exc: UnicodeEncodeError) -> JSONResponse:
