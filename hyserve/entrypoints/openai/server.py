@@ -22,6 +22,8 @@ import hyserve
 from hyserve import envs
 from hyserve.config import DEFAULT_MODEL, EMBEDDED_MODEL_DIR, EMBEDDED_MODEL_NAME, EngineConfig
 from hyserve.engine.engine_client import AsyncEngineClient
+from hyserve.entrypoints.anthropic.protocol import error_body as anthropic_error_body
+from hyserve.entrypoints.anthropic.serving_messages import messages_router
 from hyserve.entrypoints.chat import get_chat_encoder
 from hyserve.entrypoints.engine_args import engine_kwargs_from_args
 from hyserve.entrypoints.openai.protocol import (
@@ -36,6 +38,7 @@ from hyserve.entrypoints.openai.protocol import (
 from hyserve.entrypoints.openai.serving_chat import create_chat_completion
 from hyserve.entrypoints.openai.serving_common import ServerState
 from hyserve.entrypoints.openai.serving_completion import create_completion
+from hyserve.entrypoints.openai.serving_responses import responses_router
 from hyserve.entrypoints.serve import SERVE_EXCLUDED
 from hyserve.metrics import ServerMetrics
 from hyserve.tokenizer import load_tokenizer
@@ -47,8 +50,13 @@ _PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 _PARSER_FAMILIES = {"kimi_k3": "k3", "k3": "k3", "kimi_k2": "k2", "k2": "k2"}
 
 
+def _is_anthropic(path: str) -> bool:
+    """Paths of the Anthropic Messages API, whose errors have Anthropic's shape."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
 class RequestIdAndAuth:
-    """ASGI middleware: echo X-Request-Id, and check the bearer token. Pure ASGI (not BaseHTTPMiddleware),
+    """ASGI middleware: echo X-Request-Id, and check the API key. Pure ASGI (not BaseHTTPMiddleware),
     so streaming responses and disconnect detection pass through untouched."""
 
     def __init__(self, app, api_key: str | None) -> None:
@@ -61,10 +69,12 @@ class RequestIdAndAuth:
         request_id = headers.get(b"x-request-id")
         if self.api_key and scope["path"].startswith(_PROTECTED_PREFIXES):
             auth = headers.get(b"authorization", b"").decode("latin-1")
-            if auth != f"Bearer {self.api_key}":
-                err = APIError(401, "Invalid or missing API key.")
+            # Anthropic's clients send the key as `x-api-key`, OpenAI's as a bearer token: either will do.
+            if auth != f"Bearer {self.api_key}" and headers.get(b"x-api-key", b"").decode("latin-1") != self.api_key:
+                message = "Invalid or missing API key."
+                body = anthropic_error_body(401, message) if _is_anthropic(scope["path"]) else APIError(401, message).body()
                 extra = {"x-request-id": request_id.decode("latin-1")} if request_id else {}
-                return await JSONResponse(err.body(), status_code=401, headers=extra)(scope, receive, send)
+                return await JSONResponse(body, status_code=401, headers=extra)(scope, receive, send)
 
         async def send_with_id(message) -> None:
             if request_id and message["type"] == "http.response.start":
@@ -156,11 +166,12 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         return JSONResponse(APIError(400, message, param).body(), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # Routing (404/405) and body-parsing errors (bad UTF-8, nesting too deep) get the OpenAI error
         # shape too, not FastAPI's {"detail": ...}, so clients can read them like every other error.
         err = APIError(exc.status_code, str(exc.detail), headers=exc.headers)
-        return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
+        body = anthropic_error_body(exc.status_code, err.message) if _is_anthropic(request.url.path) else err.body()
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(UnicodeEncodeError)
     async def _unencodable_text(_: Request, exc: UnicodeEncodeError) -> JSONResponse:
@@ -198,6 +209,9 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         return await create_chat_completion(state(), req, request)
+
+    app.include_router(responses_router(state))
+    app.include_router(messages_router(state))
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -147,6 +148,18 @@ class _Completion:
         self.called = False
         self.trim = stop or _StopTrim([], False)
 
+    def advance(self, c: Any) -> Delta:
+        """Feed one engine delta of this completion: what it releases, stop strings trimmed."""
+        self.ids += c.token_ids
+        delta = self.parser.feed(c.token_ids)
+        if c.finish_reason:
+            self.finish, self.stop = c.finish_reason, c.stop_reason
+            tail = self.parser.finish()
+            delta = Delta(_cat(delta.reasoning, tail.reasoning), _cat(delta.content, tail.content),
+                          delta.tool_calls + tail.tool_calls)
+            return self.trim.finish(delta, self.stop)
+        return self.trim.push(delta)
+
 
 def _finish_reason(c: _Completion) -> str | None:
     if c.finish == "stop" and c.called:
@@ -154,7 +167,31 @@ def _finish_reason(c: _Completion) -> str | None:
     return c.finish
 
 
-async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request):
+@dataclass
+class ChatPrompt:
+    """A chat request rendered to prompt ids, with what rendering decided."""
+
+    ids: list[int]
+    encoder: Any
+    kwargs: dict[str, Any]
+    functions: list[dict]
+    choice: str
+    forced: list[dict]
+
+
+@dataclass
+class ChatRun:
+    """A submitted chat request: its engine stream and one `_Completion` per choice."""
+
+    rid: str
+    ids: list[int]
+    stream: Any
+    comps: list[_Completion]
+    k: int | None
+
+
+def render_chat_prompt(state: ServerState, req: ChatCompletionRequest) -> ChatPrompt:
+    """Validate a chat request and render its prompt (the ids /v1/chat/completions would submit)."""
     state.check_model(req.model)
     check_request(state, req)
     # skip_special_tokens needs no handling: the output parsers always read the special ids (an active parser
@@ -180,6 +217,14 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     except (ValueError, KeyError, TypeError, AttributeError) as e:  # AttributeError: a list where a dict belongs
         raise APIError(400, f"invalid messages: {e}", param="messages") from e
     ids = truncate_prompt(state, req, ids)
+    return ChatPrompt(ids, encoder, kwargs, functions, choice, forced)
+
+
+async def start_chat_completion(state: ServerState, req: ChatCompletionRequest,
+                                id_prefix: str = "chatcmpl") -> ChatRun:
+    """Render, build the sampling parameters (forced tool calls, structured outputs) and submit."""
+    p = render_chat_prompt(state, req)
+    ids, encoder, kwargs, functions, choice, forced = p.ids, p.encoder, p.kwargs, p.functions, p.choice, p.forced
     opens_thinking = encoder.prompt_opens_thinking(**kwargs)
     stop_ids = encoder.stop_token_ids(state.tokenizer)
     k3 = state.chat_encoding == "k3"
@@ -200,12 +245,18 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     # ignore_eos (benchmarks asking for exact output lengths) also ignores the end-of-message markers.
     params = build_params(req, max_tokens=max_tokens, logprobs=k, stop_token_ids=[] if req.ignore_eos else stop_ids,
                           structured=spec, skip_special_tokens=False, prompt_logprobs=req.prompt_logprobs)
-    rid = new_id("chatcmpl")
+    rid = new_id(id_prefix)
     stream = await submit(state, rid, ids, params, req)
     tools_enabled = bool(functions) and choice != "none"
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     comps = [_Completion(state, opens_thinking, tools_enabled, _StopTrim(stops, req.include_stop_str_in_output))
              for _ in range(req.n)]
+    return ChatRun(rid, ids, stream, comps, k)
+
+
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request):
+    run = await start_chat_completion(state, req)
+    rid, ids, stream, comps, k = run.rid, run.ids, run.stream, run.comps, run.k
     created = int(time.time())
     if req.stream:
         gen = _stream(state, req, rid, created, ids, stream, comps, k)
@@ -303,16 +354,7 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, crea
             choices = []
             for c in d.completions:
                 comp = comps[c.index]
-                comp.ids += c.token_ids
-                delta = comp.parser.feed(c.token_ids)
-                if c.finish_reason:
-                    comp.finish, comp.stop = c.finish_reason, c.stop_reason
-                    tail = comp.parser.finish()
-                    delta = Delta(_cat(delta.reasoning, tail.reasoning), _cat(delta.content, tail.content),
-                                  delta.tool_calls + tail.tool_calls)
-                    delta = comp.trim.finish(delta, comp.stop)
-                else:
-                    delta = comp.trim.push(delta)
+                delta = comp.advance(c)
                 body = _delta_body(state, delta, comp)
                 lps = _chat_logprobs(state, c.token_ids, c.logprobs, k)
                 ids_out = req.return_token_ids and c.token_ids

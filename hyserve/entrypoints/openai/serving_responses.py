@@ -1,0 +1,153 @@
+"""The OpenAI Responses API: `POST /v1/responses` (streaming or not), `GET`/`DELETE /v1/responses/{id}` and
+`POST /v1/responses/input_tokens`.
+
+A request becomes a chat request (`responses_items`) and runs through the chat path; its turn becomes
+output items and stream events (`responses_output`), the stream opening with `response.created` and
+`response.in_progress`. Stored responses live in a bounded store (`responses_store`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from hyserve.entrypoints.openai.protocol import APIError, ErrorResponse
+from hyserve.entrypoints.openai.protocol_responses import InputTokensRequest, ResponsesRequest
+from hyserve.entrypoints.openai.responses_items import (
+    CHAT_PARAMS,
+    chat_request,
+    check_supported,
+    input_messages,
+)
+from hyserve.entrypoints.openai.responses_output import ResponseTurn
+from hyserve.entrypoints.openai.responses_store import MissingResponse, ResponseStore, StoredResponse
+from hyserve.entrypoints.openai.serving_chat import render_chat_prompt, start_chat_completion
+from hyserve.entrypoints.openai.serving_common import ServerState
+from hyserve.entrypoints.openai.turn_blocks import (
+    collected_deltas,
+    streamed_deltas,
+    turn_events,
+)
+
+_ERRORS = {400: "Invalid request", 401: "Invalid or missing API key", 404: "No such model or response",
+           500: "Internal error", 503: "The engine is not running, or the server is overloaded"}
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    **{code: {"model": ErrorResponse, "description": text} for code, text in _ERRORS.items()},
+    "4XX": {"model": ErrorResponse, "description": "Any other client error, in the same shape"},
+}
+_CREATED = {200: {"description": "A Response object; with `stream: true`, an SSE stream of response events",
+                  "content": {"application/json": {"schema": {"type": "object"}},
+                              "text/event-stream": {"schema": {"type": "string"}}}}}
+
+
+def response_store(state: ServerState) -> ResponseStore:
+    if "responses_store" not in state.extra:
+        state.extra["responses_store"] = ResponseStore.from_env()
+    return state.extra["responses_store"]
+
+
+def in_responses_words(e: APIError) -> APIError:
+    return APIError(e.status, e.message, CHAT_PARAMS.get(e.param, e.param), e.headers)
+
+
+def _history(store: ResponseStore, previous_id: str | None) -> list[dict]:
+    if previous_id is None:
+        return []
+    try:
+        return store.conversation(previous_id)
+    except MissingResponse as e:
+        gone = "" if e.response_id == previous_id else f" (an earlier turn of {previous_id!r})"
+        raise APIError(404, f"Previous response with id {e.response_id!r}{gone} not found: it was never stored "
+                       f"(store: false), was deleted, or was evicted (this server keeps the {store.max_entries} "
+                       "most recently used responses); send the whole conversation as input instead",
+                       param="previous_response_id") from None
+
+
+def _messages(state: ServerState, req: ResponsesRequest | InputTokensRequest) -> tuple[list[dict], list[dict]]:
+    """(the whole conversation to render, the messages this request adds to it)."""
+    history = _history(response_store(state), req.previous_response_id)
+    new = input_messages(req.input if req.input is not None else [])
+    system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
+    return system + history + new, new
+
+
+def _sse(kind: str, payload: dict[str, Any]) -> str:
+    return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def _stream(turn: ResponseTurn, max_calls: int | None) -> AsyncIterator[str]:
+    for kind in ("response.created", "response.in_progress"):
+        yield _sse(*turn.event(kind, response=turn.body("in_progress")))
+    try:
+        async for ev in turn_events(turn.run, streamed_deltas(turn.run), max_calls):
+            for kind, payload in turn.apply(ev):
+                yield _sse(kind, payload)
+    except Exception as e:
+        message = e.message if isinstance(e, APIError) else str(e)
+        yield _sse(*turn.event("error", code="server_error", message=message, param=None))
+        failed = turn.body("failed", error={"code": "server_error", "message": message})
+        yield _sse(*turn.event("response.failed", response=failed))
+
+
+async def create_response(state: ServerState, req: ResponsesRequest, request: Request):
+    check_supported(req)
+    messages, new = _messages(state, req)
+    try:
+        run = await start_chat_completion(state, chat_request(req, messages, bool(req.stream)), id_prefix="resp")
+    except APIError as e:
+        raise in_responses_words(e) from e
+    turn = ResponseTurn(state, req, run, new, response_store(state) if req.store is not False else None)
+    max_calls = 1 if req.parallel_tool_calls is False else None
+    if req.stream:
+        return StreamingResponse(_stream(turn, max_calls), media_type="text/event-stream")
+    async for ev in turn_events(run, collected_deltas(run, request), max_calls):
+        turn.apply(ev)
+    return JSONResponse(turn.final)
+
+
+def count_input_tokens(state: ServerState, req: InputTokensRequest) -> dict[str, Any]:
+    if req.conversation is not None:
+        raise APIError(400, "conversations are not supported; use previous_response_id", param="conversation")
+    messages, _ = _messages(state, req)
+    try:
+        ids = render_chat_prompt(state, chat_request(req, messages)).ids
+    except APIError as e:
+        raise in_responses_words(e) from e
+    return {"object": "response.input_tokens", "input_tokens": len(ids)}
+
+
+def _stored(state: ServerState, response_id: str) -> StoredResponse:
+    entry = response_store(state).get(response_id)
+    if entry is None:
+        raise APIError(404, f"Response with id {response_id!r} not found.", param="response_id")
+    return entry
+
+
+def responses_router(state: Callable[[], ServerState]) -> APIRouter:
+    router = APIRouter(tags=["responses"])
+
+    @router.post("/v1/responses", responses={**_CREATED, **ERROR_RESPONSES})
+    async def responses_create(req: ResponsesRequest, request: Request):
+        return await create_response(state(), req, request)
+
+    @router.post("/v1/responses/input_tokens", responses=ERROR_RESPONSES)
+    async def responses_input_tokens(req: InputTokensRequest) -> dict:
+        return count_input_tokens(state(), req)
+
+    @router.get("/v1/responses/{response_id}", responses=ERROR_RESPONSES)
+    async def responses_retrieve(response_id: str, stream: bool = False) -> dict:
+        if stream:
+            raise APIError(400, "streaming a stored response is not supported", param="stream")
+        return _stored(state(), response_id).body
+
+    @router.delete("/v1/responses/{response_id}", responses=ERROR_RESPONSES)
+    async def responses_delete(response_id: str) -> dict:
+        _stored(state(), response_id)
+        response_store(state()).delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    return router
