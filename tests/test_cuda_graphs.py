@@ -33,8 +33,7 @@ def engine_factory(tiny_model):
     yield make
     for engine in engines:
         assert not engine.has_unfinished_requests()
-        pc = engine.prefix_cache
-        engine.kv.check_empty(pinned_blocks=pc.pinned_blocks if pc is not None else 0)
+        engine.kv.check_empty()
 
 
 def drain(engine: LLMEngine) -> dict[str, list[int]]:
@@ -92,7 +91,7 @@ class CompareSteps:
         batch = Batch.build(
             [1] * size, [s.end for s in seqs] + [1] * pad, [s.req.block_ids for s in seqs] + [[kv.scratch_block]] * pad,
             kv.block_size, [s.req.state_slot for s in seqs] + [kv.scratch_slot] * pad,
-            [s.req.fresh_state for s in seqs] + [True] * pad,
+            [s.fresh for s in seqs] + [True] * pad,
         )
         ids = torch.tensor([s.req.all_token_ids[s.start] for s in seqs] + [0] * pad)
         return model.compute_logits(model(ids, batch, kv.tensors))[: len(seqs)]

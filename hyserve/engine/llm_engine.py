@@ -99,9 +99,8 @@ class LLMEngine:
             cuda_graphs = self.device.type == "cuda" and not cfg.enforce_eager and allowed
         self.cache_plan = plan_cache(cfg, self.model, cache_dtype, self.max_model_len, scratch=cuda_graphs)
         log.info(self.cache_plan.describe())
-        self.kv = KVCacheManager(self.model, self.cache_plan, cache_dtype)
-        self.prefix_cache = self._make_prefix_cache()
-        self.scheduler = Scheduler(cfg, self.kv, self.prefix_cache)
+        self.kv = KVCacheManager(cfg, self.model, self.cache_plan, cache_dtype)
+        self.scheduler = Scheduler(cfg, self.kv)
         graphs = None
         if cuda_graphs:
             # a decode step has at most one token per sequence, so the token budget caps it too
@@ -117,15 +116,6 @@ class LLMEngine:
         self.stats = EngineStats()
         self._in_flight: _Launched | None = None  # async scheduling: the step whose tokens are on the device
         self._stashed: list[RequestOutput] = []  # outputs of a step read back early (an abort)
-
-    def _make_prefix_cache(self):
-        if not self.cfg.enable_prefix_caching:
-            return None
-        try:
-            from hyserve.engine.prefix_cache import PrefixCache
-        except ImportError:  # built without the prefix cache module
-            return None
-        return PrefixCache(self.cfg, self.kv, self.model_config)
 
     # ---- requests --------------------------------------------------------------------------------
     def add_request(
@@ -219,8 +209,7 @@ class LLMEngine:
         touched = {s.req for s in out.seqs}
         try:
             self._land(self._launch(out, None))
-            if self.prefix_cache is not None:
-                self.prefix_cache.after_step(out)
+            self.kv.cache_blocks(out)
         except Exception as e:  # a bug or bad state in one step must not take the engine down
             return self._fail_step(touched, e)
         return self._outputs(touched)
@@ -250,8 +239,7 @@ class LLMEngine:
             outputs += self._finish(prev)
         try:
             # queued behind this step's forward and before the next one's, with every computed id known
-            if self.prefix_cache is not None:
-                self.prefix_cache.after_step(out)
+            self.kv.cache_blocks(out)
         except Exception as e:
             return outputs + self._fail_step(touched, e)
         self._in_flight = launched
@@ -265,22 +253,19 @@ class LLMEngine:
 
     def _launch(self, out: SchedulerOutput, prev: _Launched | None) -> _Launched:
         """Run the forward and the sampler for `out` without reading anything back."""
-        if self.prefix_cache is not None:
-            self.prefix_cache.before_step(out)  # queued cache copies land before the forward reads them
+        self.kv.begin_step(out)  # queued cache copies land before the forward; its tokens count as computed
         pending = None
         if prev is not None and prev.result is not None:
             pending = PendingTokens(prev.result.token_ids, {r: j for j, r in enumerate(prev.reqs)})
         logits = self.runner.execute(out, pending)
         now = time.time()
         for s in out.seqs:
-            s.req.num_computed_tokens = s.end
-            s.req.fresh_state = False
             if s.end >= s.req.num_prompt_tokens and not s.req.extra.get("prompt_counted"):
                 # vLLM's prompt_tokens counts every prompt token once, cached or computed
                 s.req.extra["prompt_counted"] = True
                 self.stats.prompt_tokens += s.req.num_prompt_tokens
                 self.stats.prompt_tokens_cached += s.req.num_cached_tokens
-                self.stats.prompt_tokens_external += s.req.extra.get("external_cached_tokens", 0)
+                self.stats.prompt_tokens_external += s.req.num_external_cached_tokens
         self._prompt_logprobs(out, logits.prompt_logits)
         reqs = [out.seqs[i].req for i in logits.sample_rows]
         result = self._sample_on_device(reqs, logits.logits) if reqs else None
@@ -308,7 +293,6 @@ class LLMEngine:
             if req.is_finished:
                 continue
             req.error = f"internal error in the engine step: {type(error).__name__}: {error}"
-            req.fresh_state = True  # its cache contents are suspect: never snapshot or register them
             self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
         return self._outputs(touched)
 
@@ -319,7 +303,7 @@ class LLMEngine:
         req = self.scheduler._next_waiting()
         req.error = (
             f"the request needs {-(-req.num_tokens // self.kv.block_size)} cache pages but the pool holds "
-            f"{self.kv.blocks.num_blocks}; raise the cache budget or shorten the prompt"
+            f"{self.kv.num_blocks}; raise the cache budget or shorten the prompt"
         )
         self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
         return self._outputs({req})
@@ -454,9 +438,8 @@ class LLMEngine:
         self.stats.num_waiting = len(self.scheduler.waiting)
         self.stats.kv_cache_usage = self.kv.usage
         self.stats.num_preemptions = self.scheduler.num_preemptions
-        if self.prefix_cache is not None:
-            self.stats.prefix_cache_queries = self.prefix_cache.queries
-            self.stats.prefix_cache_hits = self.prefix_cache.hits
+        self.stats.prefix_cache_queries = self.kv.prefix.queries
+        self.stats.prefix_cache_hits = self.kv.prefix.hits
         return outs
 
     def make_output(self, parent: _Parent) -> RequestOutput:

@@ -56,7 +56,7 @@ class ModelRunner:
             block_tables=[s.req.block_ids for s in seqs],
             block_size=self.kv.block_size,
             state_slots=[s.req.state_slot for s in seqs],
-            fresh_state=[s.req.fresh_state for s in seqs],
+            fresh_state=[s.fresh for s in seqs],
             device=self.device,
         )
         input_ids = to_device(ids, torch.long, self.device)
@@ -103,7 +103,7 @@ class ModelRunner:
             context_lens=[s.end for s in seqs],
             block_tables=[s.req.block_ids for s in seqs],
             state_slots=[s.req.state_slot for s in seqs],
-            fresh_state=[s.req.fresh_state for s in seqs],
+            fresh_state=[s.fresh for s in seqs],
             prev_tokens=pending.token_ids if src is not None else None,
             token_src=src,
         )

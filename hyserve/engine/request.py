@@ -38,18 +38,20 @@ class Request:
     prompt: str | None = None
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
     # tokens sampled on the device but not yet read back (async scheduling: at most one per launched step)
     num_pending: int = 0
+    # written by the cache manager (kv_cache.KVCacheManager) alone
+    num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     state_slot: int | None = None
     fresh_state: bool = True  # the next forward starts from a zero KDA state
+    num_cached_tokens: int = 0  # prompt tokens the prefix hit skipped
+    num_external_cached_tokens: int = 0  # of those, restored from the CPU tier
     generator: torch.Generator | None = None
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, Logprob]] | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
     num_preemptions: int = 0
     error: str | None = None
     metrics: RequestMetrics = None  # type: ignore[assignment]
