@@ -1,15 +1,24 @@
-"""A request inside the engine: its tokens, progress, cache resources and sampling state."""
+"""A request inside the engine: its tokens, progress, cache resources and sampling state.
+
+Each field group has one writer: the cache manager (block table, computed tokens, state slot), the
+engine loop (outputs, pending tokens, stats), the output side (`output`, engine/output_processor.py).
+"""
 
 from __future__ import annotations
 
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from hyserve.outputs import Logprob, RequestMetrics
 from hyserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from hyserve.engine.output_processor import CompletionState
+    from hyserve.engine.structured import StructuredMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -49,20 +58,20 @@ class Request:
     num_external_cached_tokens: int = 0  # of those, restored from the CPU tier
     generator: torch.Generator | None = None
     cumulative_logprob: float = 0.0
-    logprobs: list[dict[int, Logprob]] | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     error: str | None = None
     metrics: RequestMetrics = None  # type: ignore[assignment]
-    # per-request engine extras (prefix-cache bookkeeping, detokenizer, ...)
-    extra: dict = field(default_factory=dict)
+    parent_id: str = ""  # the user's request id (n > 1 fans one out into n of these)
+    index: int = 0  # which of the parent's n completions
+    output: CompletionState | None = None  # text, stop holdback and what was sent
+    matcher: StructuredMatcher | None = None  # structured outputs: the grammar state
+    prompt_counted: bool = False  # its prompt is in EngineStats.prompt_tokens
 
     def __post_init__(self) -> None:
         if self.metrics is None:
             self.metrics = RequestMetrics(arrival_time=self.arrival_time)
-        if self.params.logprobs is not None:
-            self.logprobs = []
 
     @property
     def num_prompt_tokens(self) -> int:
