@@ -18,7 +18,7 @@ import torch
 from hyserve.config import EngineConfig
 from hyserve.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from hyserve.engine.kv_cache import KVCacheManager, plan_cache
-from hyserve.engine.model_runner import ModelRunner, PendingTokens
+from hyserve.engine.model_runner import ModelRunner
 from hyserve.engine.output_processor import CompletionState, ParentRequest, check_stop
 from hyserve.engine.readback import Readback
 from hyserve.engine.request import Request, RequestStatus
@@ -30,6 +30,7 @@ from hyserve.engine.sampler import (
     logprob_dicts,
 )
 from hyserve.engine.scheduler import Scheduler, SchedulerOutput
+from hyserve.engine.step_inputs import PendingTokens
 from hyserve.models.loader import load_model, resolve_dtype
 from hyserve.outputs import Logprob, OutputAccumulator, RequestDelta, RequestOutput
 from hyserve.sampling_params import SamplingParams
