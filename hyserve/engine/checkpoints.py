@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from hyserve.engine.block_pool import BlockPool, SlotPool
-from hyserve.engine.offload import CpuTier
+from hyserve.engine.offload import CpuTier, unindex
 from hyserve.models.batch import CacheTensors, to_device
 
 # weight of FLOPs-saved-per-byte against recency in the eviction score (Marconi's alpha)
@@ -98,7 +98,7 @@ class CheckpointStore:
         if not cands:
             return None
         victim = min(cands, key=self._scorer(cands))
-        self._unindex(victim)
+        unindex(self.ckpts, self.by_base, victim)
         self.num_evictions += 1
         if self.cpu is not None:
             self._out.append(victim)  # its slot is reused right away: the copy-out is queued first
@@ -118,17 +118,10 @@ class CheckpointStore:
     def discard(self, c: Checkpoint) -> None:
         """Drop a checkpoint without spilling it (its slot and tail page are released)."""
         self.flush()
-        self._unindex(c)
+        unindex(self.ckpts, self.by_base, c)
         if c.tail_block is not None:
             self.blocks.free([c.tail_block])
         self.slots.free(c.slot)
-
-    def _unindex(self, c: Checkpoint) -> None:
-        del self.ckpts[c.key]
-        group = self.by_base[c.base]
-        del group[c.key]
-        if not group:
-            del self.by_base[c.base]
 
     def _scorer(self, cands: list[Checkpoint]):
         eff = [c.flops_saved / c.nbytes for c in cands]

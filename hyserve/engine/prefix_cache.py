@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -38,12 +39,12 @@ import torch
 
 from hyserve.config import EngineConfig
 from hyserve.engine.block_pool import BlockPool, SlotPool
-from hyserve.engine.cache_costs import prefill_cost
 from hyserve.engine.checkpoints import Checkpoint, CheckpointStore
 from hyserve.engine.offload import CpuCheckpoint, CpuTier
 from hyserve.engine.request import Request
 from hyserve.models.batch import CacheTensors
 from hyserve.models.config import ModelConfig
+from hyserve.models.costs import prefill_cost
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ class _PrefixRecord:
             if len(run) == bs and run in runs:
                 parent, k = hashes[k], k + 1
                 continue
-            return k * bs + max(_common_prefix(run, r) for r in runs)
+            return k * bs + max(len(os.path.commonprefix([run, r])) for r in runs)
 
     def record(self, root: int, tokens: list[int], hashes: list[int], bs: int) -> None:
         parent = root
@@ -132,16 +133,12 @@ class _PrefixRecord:
             self.runs.popitem(last=False)
 
 
-def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
 class NoPrefixCache:
-    """Prefix caching off: every lookup misses, nothing is registered or retained."""
+    """Prefix caching off: every lookup misses, nothing is registered or retained. The interface, in the
+    order the cache manager calls it: `find` a waiting request's hit; `load` it into the request's slot
+    and new pages; `start` the admission (plan the checkpoints); `limit_chunk` a chunk to end at one;
+    `admitted` (count it); `cache_blocks` after a step; `retain` (or `forget`) before a request's pages
+    and slot are freed; `release_pinned_page` under page pressure; `flush` the queued copies."""
 
     queries = hits = 0
     pinned_blocks: frozenset[int] = frozenset()
@@ -149,32 +146,23 @@ class NoPrefixCache:
     def find(self, req: Request, gpu_only: bool = False) -> PrefixHit:
         return NO_HIT
 
-    def load(self, req: Request, hit: PrefixHit, slot: int) -> list[int] | None:
-        raise AssertionError("no prefix cache: nothing to load")
+    def start(self, req: Request, hit: PrefixHit) -> None: ...
 
-    def start(self, req: Request, hit: PrefixHit) -> None:
-        """Admission is under way with `hit` applied: plan where to keep checkpoints."""
-
-    def admitted(self, req: Request, hit: PrefixHit) -> None:
-        """Admission succeeded: count the query and the hit."""
+    def admitted(self, req: Request, hit: PrefixHit) -> None: ...
 
     def limit_chunk(self, req: Request, n: int) -> int:
         return n
 
-    def cache_blocks(self, seqs) -> None:
-        """After a step: register the computed full pages, take the planned checkpoints."""
+    def cache_blocks(self, seqs) -> None: ...
 
-    def retain(self, req: Request) -> None:
-        """Before a request's pages and slot are freed (finish, abort, preemption)."""
+    def retain(self, req: Request) -> None: ...
 
-    def forget(self, req: Request) -> None:
-        """Like `retain`, but keep nothing of it (its cache contents are suspect)."""
+    def forget(self, req: Request) -> None: ...
 
     def release_pinned_page(self) -> bool:
         return False
 
-    def flush(self) -> None:
-        """Run the queued cache copies."""
+    def flush(self) -> None: ...
 
 
 class PrefixCache(NoPrefixCache):
