@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from hyserve.config import DEFAULT_MODEL, EngineConfig
 from hyserve.outputs import CompletionOutput, Logprob, OutputAccumulator, RequestOutput
 from hyserve.sampling_params import SamplingParams
+from hyserve.tokenizer import parse_prompt
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "EngineConfig", "__version__"]
@@ -59,7 +60,7 @@ class LLM:
             rid = str(next(self._ids))
             order.append(rid)
             try:
-                text, ids = self.engine.tokenize_prompt(prompt)
+                text, ids = parse_prompt(prompt, self.engine.tokenizer)
                 self.engine.add_request(rid, {"prompt": text, "prompt_token_ids": ids}, p)
             except ValueError as e:
                 results[rid] = RequestOutput(rid, prompt if isinstance(prompt, str) else None, None, None,

@@ -7,8 +7,7 @@ Rows < p % block_size of that page are never written again (the owner only appen
 owner's block is as good as a copy and costs nothing at snapshot time. Checkpoints are never mutated.
 
 When no checkpoint slot is free, the one with the lowest recency + prefill-FLOPs-saved-per-byte score
-goes (min-max normalized, Marconi), to the CPU tier if there is one. Copies are queued and run by
-`flush`, reads of old contents before the writes that reuse them.
+goes (min-max normalized, Marconi), to the CPU tier if there is one. Copies are queued until `flush`.
 """
 
 from __future__ import annotations

@@ -69,8 +69,8 @@ class DecodeGraphs:
         self.max_blocks = -(-max_model_len // kv.block_size)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         n, dev = self.sizes[-1], model.device
-        self.max_prev = max(n, max_prev_rows or 0)
-        p = self.max_prev
+        p = max(n, max_prev_rows or 0)
+        self.max_prev = p = p + (p & 1)  # even: the region's rows stay 16-byte aligned (see StepLayout)
         with torch.inference_mode():
             self._buf = torch.zeros(p + StepLayout(n, n, 0, self.max_blocks).words, dtype=torch.long, device=dev)
             self._prev = self._buf[:p]
@@ -109,7 +109,7 @@ class DecodeGraphs:
         else:
             tables = self._views[size].block_tables
             self._buf[p : p + head].copy_(inputs.flat[:head], non_blocking=True)
-            tables[:, :w].copy_(inputs.flat[head:].view(size, w), non_blocking=True)
+            tables[:, :w].copy_(inputs.flat[head : head + size * w].view(size, w), non_blocking=True)
             tables[:, w:].fill_(-1)  # what a wider table of an earlier step left behind
         graph = self.graphs.get(size)
         if graph is not None:

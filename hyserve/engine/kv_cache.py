@@ -225,6 +225,11 @@ class KVCacheManager:
         return self.blocks.num_blocks
 
     @property
+    def prefix_stats(self) -> tuple[int, int]:
+        """(prompt tokens looked up, prompt tokens hit): vLLM's prefix_cache_queries and _hits."""
+        return self.prefix.queries, self.prefix.hits
+
+    @property
     def usage(self) -> float:
         return 1.0 - self.blocks.num_free / max(1, self.blocks.num_blocks)
 

@@ -34,7 +34,7 @@ from hyserve.engine.step_inputs import PendingTokens
 from hyserve.models.loader import load_model, resolve_dtype
 from hyserve.outputs import Logprob, OutputAccumulator, RequestDelta, RequestOutput
 from hyserve.sampling_params import SamplingParams
-from hyserve.tokenizer import Tokenizer, load_tokenizer
+from hyserve.tokenizer import Tokenizer, load_tokenizer, parse_prompt
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class LLMEngine:
         self.eos_token_ids = list(self.model_config.eos_token_ids) or [self.tokenizer.eos_token_id]
         self.parents: dict[str, ParentRequest] = {}
         self.stats = EngineStats()
-        self.last_step: StepStats | None = None  # what the step the last step() call read back computed
+        self._landed: SchedulerOutput | None = None  # the step the last step() call read back
         self._in_flight: _Launched | None = None  # async scheduling: the step whose tokens are on the device
         self._stashed: list[_Emitted] = []  # deltas of a step read back early (an abort)
 
@@ -141,7 +141,7 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.parents:
             raise ValueError(f"request id '{request_id}' is already in use")
-        text, ids = self.tokenize_prompt(prompt)
+        text, ids = parse_prompt(prompt, self.tokenizer)
         params, max_tokens = self._checked(params, ids)
         arrival = arrival_time or time.time()
         children = []
@@ -189,22 +189,6 @@ class LLMEngine:
             params = dataclasses.replace(params, top_k=0)
         return params, room if params.max_tokens is None else min(params.max_tokens, room)
 
-    def tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
-        """(text, token ids) of a prompt: a string, token ids, or a dict with 'prompt' and/or
-        'prompt_token_ids'. Raises ValueError for anything else."""
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
-        raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
-
     def abort_request(self, request_id: str) -> None:
         parent = self.parents.get(request_id)
         if parent is None:
@@ -221,6 +205,11 @@ class LLMEngine:
         return bool(self.parents or self._stashed)
 
     # ---- the step --------------------------------------------------------------------------------
+    @property
+    def last_step(self) -> StepStats | None:
+        """What the step whose results the last step() call read back computed; None when it read none."""
+        return None if self._landed is None else StepStats.of(self._landed)
+
     def step(self) -> list[RequestOutput]:
         """One engine step; each touched request's output shaped by its output_kind (vLLM's meanings).
         Use this or `step_deltas`, not both: the shaping accumulates the deltas it sees."""
@@ -232,7 +221,7 @@ class LLMEngine:
         return [d for _, d in self._step()]
 
     def _step(self) -> list[_Emitted]:
-        self.last_step = None
+        self._landed = None
         if self.cfg.async_scheduling:
             return self._step_async()
         out = self.scheduler.schedule()
@@ -244,7 +233,7 @@ class LLMEngine:
             self.kv.cache_blocks(out)
         except Exception as e:  # a bug or bad state in one step must not take the engine down
             return self._fail_step(touched, e)
-        self.last_step = StepStats.of(out)
+        self._landed = out
         return self._deltas(touched)
 
     def _step_async(self) -> list[_Emitted]:
@@ -317,7 +306,7 @@ class LLMEngine:
             self._land(flight)
         except Exception as e:
             return self._fail_step(touched, e)
-        self.last_step = StepStats.of(flight.out)
+        self._landed = flight.out
         return self._deltas(touched)
 
     def _fail_step(self, touched: set[Request], error: Exception) -> list[_Emitted]:
@@ -425,19 +414,18 @@ class LLMEngine:
         seen, outs = set(), []
         for req in touched:
             rid = req.parent_id
-            if rid in seen or rid not in self.parents:
+            parent = self.parents.get(rid)
+            if parent is None or rid in seen:
                 continue
             seen.add(rid)
-            parent = self.parents[rid]
             d = parent.delta()
             if d is not None:
                 outs.append((parent, d))
-            if d is not None and d.finished:
-                del self.parents[rid]
+                if d.finished:
+                    del self.parents[rid]
         self.stats.num_running = len(self.scheduler.running)
         self.stats.num_waiting = len(self.scheduler.waiting)
         self.stats.kv_cache_usage = self.kv.usage
         self.stats.num_preemptions = self.scheduler.num_preemptions
-        self.stats.prefix_cache_queries = self.kv.prefix.queries
-        self.stats.prefix_cache_hits = self.kv.prefix.hits
+        self.stats.prefix_cache_queries, self.stats.prefix_cache_hits = self.kv.prefix_stats
         return outs

@@ -40,15 +40,17 @@ class CompletionState:
         done = req.is_finished
         if done and self.finish_sent:
             return None
-        end = len(self.text) if done else max(self.sent_chars, len(self.text) - self.holdback)
-        ids = req.output_token_ids[self.sent_tokens :]
-        if not ids and end == self.sent_chars and not done:
+        text, sent, outs = self.text, self.sent_chars, req.output_token_ids
+        end = len(text) if done else max(sent, len(text) - self.holdback)
+        ids = outs[self.sent_tokens :]
+        if not ids and end == sent and not done:
             return None
-        lps, self.new_logprobs = self.new_logprobs, ([] if self.new_logprobs is not None else None)
-        d = CompletionDelta(req.index, ids, self.text[self.sent_chars : end], lps or None,
-                            req.status.value if done else None, req.stop_reason,
-                            req.cumulative_logprob if lps is not None else None)
-        self.sent_tokens, self.sent_chars, self.finish_sent = len(req.output_token_ids), end, done
+        lps = self.new_logprobs
+        if lps is not None:
+            self.new_logprobs = []
+        d = CompletionDelta(req.index, ids, text[sent:end], lps or None, req.status.value if done else None,
+                            req.stop_reason, req.cumulative_logprob if lps is not None else None)
+        self.sent_tokens, self.sent_chars, self.finish_sent = len(outs), end, done
         return d
 
 
@@ -61,23 +63,23 @@ class ParentRequest:
     children: list[Request] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
 
-    @property
-    def finished(self) -> bool:
-        return all(c.is_finished for c in self.children)
-
     def delta(self) -> RequestDelta | None:
         """The request's news since its last delta; None when there is none."""
-        comps = [d for c in self.children if (d := c.output.delta(c)) is not None]
-        first, finished = self.children[0], self.finished
+        children = self.children
+        comps = [d for c in children if (d := c.output.delta(c)) is not None]
+        first = children[0]
+        finished = first.is_finished if len(children) == 1 else all(c.is_finished for c in children)
         prompt_lps = None
         if first.params.prompt_logprobs is not None and not self.prompt_logprobs_sent and first.prompt_logprobs:
             if len(first.prompt_logprobs) >= first.num_prompt_tokens or finished:  # prefill done
                 prompt_lps, self.prompt_logprobs_sent = list(first.prompt_logprobs), True
         if not comps and not finished and prompt_lps is None:
             return None
-        error = next((c.error for c in self.children if c.error), None)
-        return RequestDelta(self.request_id, comps, finished, error=error, num_cached_tokens=first.num_cached_tokens,
-                            prompt_logprobs=prompt_lps, metrics=first.metrics if finished else None)
+        if not finished:  # the common case, positional: this runs per request per step
+            return RequestDelta(self.request_id, comps, False, False, None, False, first.num_cached_tokens, prompt_lps)
+        error = next((c.error for c in children if c.error), None)
+        return RequestDelta(self.request_id, comps, True, error=error, num_cached_tokens=first.num_cached_tokens,
+                            prompt_logprobs=prompt_lps, metrics=first.metrics)
 
 
 def check_stop(req: Request, tok: int, eos_token_ids: list[int], max_model_len: int) -> RequestStatus | None:

@@ -17,12 +17,11 @@ and only if every full page before it is cached too. The pieces:
   `limit_chunk` ends a prefill chunk exactly at each position; `cache_blocks` snapshots there.
 - **Eviction**: pages by the BlockPool's LRU, checkpoints by their store; both spill to the CPU tier
   if on. The pool records the cached pages it reuses; `flush` copies them out before anything writes.
+- **Copies** are queued and flushed in batches (before each forward, at the end of each step, before
+  any immediate write into a fresh page or slot), so queued reads always see old data.
 
-Copies are queued and flushed in batches: before each forward, at the end of each step, and before any
-immediate write into a freshly allocated page or slot, so queued reads always see old data.
-
-`NoPrefixCache` is the same interface with caching off: it finds nothing and keeps nothing. Neither
-writes a request's fields; the cache manager does, from what they return.
+`NoPrefixCache` is the interface with caching off. Neither writes a request's fields: the cache manager
+does, from what they return.
 """
 
 from __future__ import annotations

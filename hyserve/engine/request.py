@@ -32,7 +32,10 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort", "error")
+        return self._value_ in _FINISHED  # not .value: a descriptor call, on the per-token path
+
+
+_FINISHED = frozenset({"stop", "length", "abort", "error"})
 
 
 @dataclass(eq=False)  # identity semantics: requests live in sets and queues
