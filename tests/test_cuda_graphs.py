@@ -198,6 +198,21 @@ def test_scratch_page_and_slot_are_in_no_pool(engine_factory):
     assert eager.scratch_block is None and eager.blocks.num_blocks == eager.tensors.pages.shape[0]
 
 
+def test_warm_up_and_capture_runs_write_only_the_scratch_page_and_slot(engine_factory):
+    """What capture() runs before and inside each graph: every row a padding row (CPU: no capture)."""
+    engine = engine_factory()
+    graphs, kv = engine.runner.graphs, engine.kv
+    before = _cache_copy(engine)
+    with torch.inference_mode():
+        for size in graphs.sizes:
+            graphs._pad_all(size)
+            graphs._step(size, graphs._batches[size])
+    after = _cache_copy(engine)
+    assert _changed_rows(after["pages"], before["pages"]) == {kv.scratch_block}
+    assert _changed_rows(after["recurrent"], before["recurrent"]) | _changed_rows(after["conv"], before["conv"]) == {
+        kv.scratch_slot}
+
+
 def test_mixed_and_prompt_logprobs_steps_run_eagerly(engine_factory):
     engine = engine_factory()
     calls = []
