@@ -1,10 +1,11 @@
 """Offline throughput: batched `LLM.generate` against a one-at-a-time loop over the same requests.
 
 Random token prompts (lengths uniform in [--min-prompt, --max-prompt]), fixed output length, ignore_eos.
-Per-phase rates time each engine step of the batched pass: a step that computes any prompt token is a
-prefill step (prompt tok/s = prompt tokens / time of those steps; decodes riding along are not counted),
-a step of decodes only is a decode step (decode tok/s = its tokens / its time). Prints a table and
-appends it to docs/BENCHMARKS.md.
+Per-phase rates time each engine step of the batched pass, classified by the engine's `last_step` record
+(what the step a call read back computed): a step that computes any prompt token is a prefill step
+(prompt tok/s = prompt tokens / time of those steps; decodes riding along are not counted), a step of
+decodes only is a decode step (decode tok/s = its tokens / its time). Prints a table and appends it to
+docs/BENCHMARKS.md.
 
     python benchmarks/offline_throughput.py            # 64 requests on k3-tiny, 2 torch threads
 """
@@ -12,7 +13,6 @@ appends it to docs/BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import os
 import platform
@@ -28,7 +28,6 @@ from hyserve import LLM, SamplingParams
 from hyserve.config import EngineConfig
 from hyserve.engine.llm_engine import LLMEngine
 from hyserve.models.loader import load_model
-from hyserve.sampling_params import RequestOutputKind
 from hyserve.tokenizer import load_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -91,40 +90,32 @@ def timed_loop(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> Pa
 
 
 def timed_batch(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[Pass, Phases]:
-    """What `LLM.generate` does, with each step timed and classified by what the scheduler picked."""
+    """What `LLM.generate` does, with each step timed and classified by what it computed (the engine's
+    `last_step`: the step whose results the call read back; under async scheduling the call launches
+    the next step too). A call that read none back is launch work of a prefill."""
     engine, phases = llm.engine, Phases()
-    schedule, picked = engine.scheduler.schedule, []
-
-    def traced():
-        out = schedule()
-        picked.append(out)
-        return out
-
-    engine.scheduler.schedule = traced
-    done = {}
+    output_tokens = finished = 0
     t0 = time.perf_counter()
-    # final outputs only, as LLM.generate asks: a cumulative output per request per step is server work
-    # (about 0.2 ms of host time per step at batch 64, measured on the CPU)
-    final_only = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
     for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, final_only)
+        engine.add_request(str(i), p, params)
     while engine.has_unfinished_requests():
         t = time.perf_counter()
-        outs = engine.step()
+        deltas = engine.step_deltas()  # what each request gained: accumulate only the counts needed here
         dt = time.perf_counter() - t
-        done.update((o.request_id, o) for o in outs if o.finished)
-        # with async scheduling a call launches step k and waits for step k-1's tokens: its time is k-1's
-        landed = picked[-2] if engine.cfg.async_scheduling and len(picked) >= 2 else picked[-1]
-        seqs = landed.seqs
-        prompt_tokens = sum(min(s.end, s.req.num_prompt_tokens) - s.start for s in seqs if s.start < s.req.num_prompt_tokens)
-        if prompt_tokens:
-            phases.prefill_tokens += prompt_tokens
+        for d in deltas:
+            if d.error:
+                raise RuntimeError(f"request {d.request_id} failed: {d.error}")
+            output_tokens += sum(len(c.token_ids) for c in d.completions)
+            finished += d.finished
+        step = engine.last_step
+        if step is None or step.num_prompt_tokens:
+            phases.prefill_tokens += step.num_prompt_tokens if step is not None else 0
             phases.prefill_seconds += dt
         else:
-            phases.decode_tokens += len(seqs)
+            phases.decode_tokens += step.num_decode_tokens
             phases.decode_seconds += dt
-    engine.scheduler.schedule = schedule
-    return _pass(time.perf_counter() - t0, prompts, [done[str(i)] for i in range(len(prompts))]), phases
+    assert finished == len(prompts)
+    return Pass(time.perf_counter() - t0, sum(len(p) for p in prompts), output_tokens), phases
 
 
 def _pass(seconds: float, prompts: list[list[int]], outs) -> Pass:

@@ -5,13 +5,13 @@ The offline API mirrors vLLM's (`LLM`, `SamplingParams`, `RequestOutput`) so scr
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Sequence
 
 from hyserve.config import DEFAULT_MODEL, EngineConfig
-from hyserve.outputs import CompletionOutput, Logprob, RequestOutput
-from hyserve.sampling_params import RequestOutputKind, SamplingParams
+from hyserve.outputs import CompletionOutput, Logprob, OutputAccumulator, RequestOutput
+from hyserve.sampling_params import SamplingParams
+from hyserve.tokenizer import parse_prompt
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "EngineConfig", "__version__"]
@@ -54,21 +54,25 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         results: dict[str, RequestOutput] = {}
+        pending: dict[str, OutputAccumulator] = {}
         order = []
         for prompt, p in zip(prompts, params):
             rid = str(next(self._ids))
             order.append(rid)
             try:
-                # only final outputs are kept here: spare the engine a cumulative copy per request per step
-                self.engine.add_request(rid, prompt, dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY))
+                text, ids = parse_prompt(prompt, self.engine.tokenizer)
+                self.engine.add_request(rid, {"prompt": text, "prompt_token_ids": ids}, p)
             except ValueError as e:
                 results[rid] = RequestOutput(rid, prompt if isinstance(prompt, str) else None, None, None,
                                              [CompletionOutput(0, "", [], None, None, "error")], True, error=str(e))
-        bar = _progress(len(order) - len(results), use_tqdm)
+                continue
+            pending[rid] = OutputAccumulator(rid, text, ids, p)
+        bar = _progress(len(pending), use_tqdm)
         while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    results[out.request_id] = out
+            for delta in self.engine.step_deltas():  # whatever the output_kind, only final outputs go back
+                pending[delta.request_id].accumulate(delta)
+                if delta.finished:
+                    results[delta.request_id] = pending.pop(delta.request_id).output(delta)
                     bar.update(1)
         bar.close()
         return [results[rid] for rid in order]

@@ -1,8 +1,12 @@
-"""What the engine hands back per request, shaped like vLLM's `RequestOutput` so callers can switch."""
+"""What the engine hands back per request: the per-step deltas it emits, and vLLM-shaped `RequestOutput`s
+built from them (`OutputAccumulator`) so callers can switch."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
+
+from hyserve.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass
@@ -92,3 +96,86 @@ class RequestOutput:
             f"outputs={self.outputs}, finished={self.finished}, metrics={self.metrics}, "
             f"num_cached_tokens={self.num_cached_tokens})"
         )
+
+
+@dataclass
+class CompletionDelta:
+    """What one engine step added to a completion."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: SampleLogprobs | None = None  # the new positions only
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    cumulative_logprob: float | None = None  # after these tokens; None unless logprobs were asked for
+
+
+@dataclass
+class RequestDelta:
+    """What one engine step added to a request: the engine's output (and its engine-process message)."""
+
+    request_id: str
+    completions: list[CompletionDelta] = field(default_factory=list)
+    finished: bool = False
+    accepted: bool = False  # the engine took the request (sent once, before any tokens)
+    error: str | None = None
+    bad_request: bool = False  # the error is the client's fault (HTTP 400), not the engine's
+    num_cached_tokens: int = 0
+    # Sent once, whole, with the first delta after prefill (one entry per prompt token, the first None)
+    prompt_logprobs: PromptLogprobs | None = None
+    metrics: RequestMetrics | None = None  # on the finishing delta
+
+
+class OutputAccumulator:
+    """A request's `RequestOutput`s built from its deltas, as `output_kind` asks (vLLM's meanings): DELTA
+    hands on each step's news, CUMULATIVE everything so far after every step, FINAL_ONLY everything once
+    the request has finished."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
+                 params: SamplingParams, metrics: RequestMetrics | None = None):
+        self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
+        self.kind, self.metrics = params.output_kind, metrics
+        lps = [] if params.logprobs is not None else None
+        self.completions = [CompletionOutput(i, "", [], None, None if lps is None else []) for i in range(params.n)]
+        self.prompt_logprobs: PromptLogprobs | None = None
+        self.num_cached_tokens = 0
+
+    def add(self, d: RequestDelta) -> RequestOutput | None:
+        """Take one delta; the output it makes, if any."""
+        if self.kind == RequestOutputKind.DELTA:
+            self._meta(d)
+            return self._output(d, [CompletionOutput(c.index, c.text, c.token_ids, c.cumulative_logprob, c.logprobs,
+                                                     c.finish_reason, c.stop_reason) for c in d.completions])
+        self.accumulate(d)
+        if self.kind == RequestOutputKind.FINAL_ONLY and not d.finished:
+            return None
+        return self.output(d)
+
+    def accumulate(self, d: RequestDelta) -> None:
+        self._meta(d)
+        for c in d.completions:
+            acc = self.completions[c.index]
+            acc.text += c.text
+            acc.token_ids.extend(c.token_ids)
+            if c.logprobs:
+                acc.logprobs.extend(c.logprobs)
+            acc.cumulative_logprob = c.cumulative_logprob
+            acc.finish_reason, acc.stop_reason = c.finish_reason, c.stop_reason
+
+    def output(self, d: RequestDelta) -> RequestOutput:
+        """Everything accumulated so far (a snapshot: later deltas do not change it)."""
+        return self._output(d, [dataclasses.replace(c, token_ids=list(c.token_ids),
+                                                    logprobs=None if c.logprobs is None else list(c.logprobs))
+                                for c in self.completions])
+
+    def _meta(self, d: RequestDelta) -> None:
+        self.metrics = d.metrics or self.metrics
+        self.prompt_logprobs = d.prompt_logprobs if d.prompt_logprobs is not None else self.prompt_logprobs
+        self.num_cached_tokens = d.num_cached_tokens
+
+    def _output(self, d: RequestDelta, comps: list[CompletionOutput]) -> RequestOutput:
+        out = RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.prompt_logprobs, comps,
+                            d.finished, self.metrics, self.num_cached_tokens)
+        out.error = d.error
+        return out

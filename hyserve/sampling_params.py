@@ -12,7 +12,8 @@ class RequestOutputKind(enum.IntEnum):
     """Which outputs the engine emits for a request (vLLM's names)."""
 
     CUMULATIVE = 0  # after every step, everything generated so far
-    FINAL_ONLY = 2  # once, when the request finishes (offline generate: no per-step copies)
+    DELTA = 1  # after every step, what that step added
+    FINAL_ONLY = 2  # once, when the request finishes
 
 
 # Below this temperature a request is greedy: dividing logits by ~0 would overflow, and the

@@ -344,6 +344,22 @@ def load_tokenizer(path: str | None, family: str) -> Tokenizer:
     return ByteTokenizer(family)
 
 
+def parse_prompt(prompt: str | list[int] | dict, tokenizer: Tokenizer) -> tuple[str | None, list[int]]:
+    """(text, token ids) of a prompt as the offline API takes it (vLLM's forms): a string, token ids, or a
+    dict with 'prompt' and/or 'prompt_token_ids'. Raises ValueError for anything else."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if "prompt" not in prompt:
+            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        prompt = prompt["prompt"]
+    if isinstance(prompt, str):
+        return prompt, tokenizer.encode(prompt)
+    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+        return None, list(prompt)
+    raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
+
+
 class IncrementalDetokenizer:
     """Turns a stream of token ids into text deltas that never split a UTF-8 character.
 
@@ -381,5 +397,6 @@ __all__ = [
     "TiktokenTokenizer",
     "Tokenizer",
     "load_tokenizer",
+    "parse_prompt",
 ]
 

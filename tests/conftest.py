@@ -60,9 +60,7 @@ def _give_gpu_memory_back():
 def assert_pool_empty(engine: LLMEngine) -> None:
     """No request holds a page or a running slot; only prefix-cache checkpoints may pin pages."""
     assert not engine.has_unfinished_requests(), "requests still unfinished: drain or abort them"
-    pc = engine.prefix_cache
-    pinned = pc.pinned_blocks if pc is not None else 0
-    engine.kv.check_empty(pinned_blocks=pinned)
+    engine.kv.check_empty()
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,9 @@ from hyserve.config import EngineConfig
 from hyserve.engine import cuda_graphs
 from hyserve.engine.cuda_graphs import graph_batch_sizes
 from hyserve.engine.llm_engine import LLMEngine
+from hyserve.engine.request import Request
+from hyserve.engine.scheduler import ScheduledSeq, SchedulerOutput
+from hyserve.engine.step_inputs import PendingTokens
 from hyserve.models.batch import Batch
 
 MODELS = ["k3-tiny", "kimi-linear-tiny"]
@@ -34,8 +37,7 @@ def engine_factory(tiny_model):
     yield make
     for engine in engines:
         assert not engine.has_unfinished_requests()
-        pc = engine.prefix_cache
-        engine.kv.check_empty(pinned_blocks=pc.pinned_blocks if pc is not None else 0)
+        engine.kv.check_empty()
 
 
 def drain(engine: LLMEngine) -> dict[str, list[int]]:
@@ -93,7 +95,7 @@ class CompareSteps:
         batch = Batch.build(
             [1] * size, [s.end for s in seqs] + [1] * pad, [s.req.block_ids for s in seqs] + [[kv.scratch_block]] * pad,
             kv.block_size, [s.req.state_slot for s in seqs] + [kv.scratch_slot] * pad,
-            [s.req.fresh_state for s in seqs] + [True] * pad,
+            [s.fresh for s in seqs] + [True] * pad,
         )
         ids = torch.tensor([s.req.all_token_ids[s.start] for s in seqs] + [0] * pad)
         return model.compute_logits(model(ids, batch, kv.tensors))[: len(seqs)]
@@ -197,11 +199,26 @@ def test_scratch_page_and_slot_are_in_no_pool(engine_factory):
     assert eager.scratch_block is None and eager.blocks.num_blocks == eager.tensors.pages.shape[0]
 
 
+def test_warm_up_and_capture_runs_write_only_the_scratch_page_and_slot(engine_factory):
+    """What capture() runs before and inside each graph: every row a padding row (CPU: no capture)."""
+    engine = engine_factory()
+    graphs, kv = engine.runner.graphs, engine.kv
+    before = _cache_copy(engine)
+    with torch.inference_mode():
+        for size in graphs.sizes:
+            graphs._pad_all(size)
+            graphs._step(size, graphs._batches[size])
+    after = _cache_copy(engine)
+    assert _changed_rows(after["pages"], before["pages"]) == {kv.scratch_block}
+    assert _changed_rows(after["recurrent"], before["recurrent"]) | _changed_rows(after["conv"], before["conv"]) == {
+        kv.scratch_slot}
+
+
 def test_mixed_and_prompt_logprobs_steps_run_eagerly(engine_factory):
     engine = engine_factory()
     calls = []
     run = engine.runner.graphs.run
-    engine.runner.graphs.run = lambda *a, **k: calls.append(len(k["token_ids"])) or run(*a, **k)
+    engine.runner.graphs.run = lambda inputs, prev=None: calls.append(len(inputs.query_lens)) or run(inputs, prev)
     eager = engine_factory(static_decode_buffers=False)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=2)
     for e in (engine, eager):  # a one-token prompt: its first step has one token but needs prompt logits
@@ -251,7 +268,7 @@ def test_engine_outputs_equal_with_and_without_the_static_path(engine_factory, m
 
 
 def _direct_rows(engine: LLMEngine, n: int, blocks_per_row: int) -> tuple[list[list[int]], list[int]]:
-    """n rows of real pages and state slots for calling DecodeGraphs.run directly (freed by _free_rows)."""
+    """n rows of real pages and state slots for a hand-made decode step (freed by _free_rows)."""
     kv = engine.kv
     tables = [kv.blocks.allocate(blocks_per_row) for _ in range(n)]
     return tables, [kv.slots.allocate() for _ in range(n)]
@@ -262,6 +279,17 @@ def _free_rows(engine: LLMEngine, tables: list[list[int]], slots: list[int]) -> 
         engine.kv.blocks.free(t)
     for s in slots:
         engine.kv.slots.free(s)
+
+
+def _decode_step(tables, slots, context_lens, last_ids) -> SchedulerOutput:
+    """A decode step of one row per table: row i's last token (at context_lens[i] - 1) is last_ids[i],
+    or, where that is None, a token sampled by the step before that is still on the device."""
+    seqs = []
+    for i, (table, slot, ctx, tok) in enumerate(zip(tables, slots, context_lens, last_ids)):
+        req = Request(f"d{i}", [1] * (ctx - 1) + ([] if tok is None else [tok]), SamplingParams(), max_tokens=8,
+                      block_ids=table, state_slot=slot, num_pending=int(tok is None))
+        seqs.append(ScheduledSeq(req, 1, ctx - 1, fresh=True))
+    return SchedulerOutput(seqs)
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["one-copy", "wide-tables"])
@@ -277,10 +305,9 @@ def test_a_narrower_block_table_leaves_no_stale_block_ids(engine_factory, monkey
     try:
         for tables, ctx in steps:
             n = len(tables)
-            graphs.run(token_ids=[5] * n, context_lens=[ctx] * n, block_tables=tables, state_slots=slots[:n],
-                       fresh_state=[True] * n)
+            engine.runner.execute(_decode_step(tables, slots, [ctx] * n, [5] * n))
             size = graphs.size_for(n, 0)
-            got = graphs._batch(size, [1] * size).block_tables  # what the graph of that size reads
+            got = graphs._views[size].block_tables  # what the graph of that size reads
             want = torch.full((size, graphs.max_blocks), -1, dtype=torch.long)
             for i, t in enumerate(tables):
                 want[i, : len(t)] = torch.tensor(t)
@@ -290,17 +317,19 @@ def test_a_narrower_block_table_leaves_no_stale_block_ids(engine_factory, monkey
         _free_rows(engine, wide, slots)
 
 
-def _two_runs(engine: LLMEngine, **pending) -> tuple[torch.Tensor, torch.Tensor]:
-    """The logits of one 3-row step with the real ids on the host, and of the same step from the same
-    cache with `pending` (prev_tokens, token_src) supplying them."""
-    graphs = engine.runner.graphs
+def _two_runs(engine: LLMEngine, prev: torch.Tensor, sources: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits of one 3-row decode step with the real ids on the host, and of the same step from the
+    same cache with the ids of the rows that have a source (>= 0) in `prev` on the device."""
     tables, slots = _direct_rows(engine, 3, 1)
-    args = dict(context_lens=[3, 5, 7], block_tables=tables, state_slots=slots, fresh_state=[True] * 3)
+    ids = [11, 22, 33]
     try:
         saved = _cache_copy(engine)
-        ref = graphs.run(token_ids=[11, 22, 33], **args).clone()
+        ref = engine.runner.execute(_decode_step(tables, slots, [3, 5, 7], ids)).logits.clone()
         _restore(engine, saved)
-        got = graphs.run(token_ids=[0, 22, 0], **args, **pending).clone()
+        out = _decode_step(tables, slots, [3, 5, 7], [None if j >= 0 else t for t, j in zip(ids, sources)])
+        pending = PendingTokens(prev, {s.req: j for s, j in zip(out.seqs, sources) if j >= 0})
+        assert engine.runner.uses_graph(out)
+        got = engine.runner.execute(out, pending).logits.clone()
     finally:
         _free_rows(engine, tables, slots)
     return got, ref
@@ -309,16 +338,15 @@ def _two_runs(engine: LLMEngine, **pending) -> tuple[torch.Tensor, torch.Tensor]
 def test_pending_rows_read_the_previous_steps_device_ids(engine_factory):
     engine = engine_factory()
     # rows 0 and 2 read their ids from the device tensor, row 1 keeps its host id
-    got, ref = _two_runs(engine, prev_tokens=torch.tensor([7, 33, 9, 11]), token_src=[3, -1, 1])
+    got, ref = _two_runs(engine, torch.tensor([7, 33, 9, 11]), [3, -1, 1])
     assert torch.equal(got, ref)
 
 
 def test_pending_ids_beyond_the_buffer_are_gathered_first(engine_factory):
     engine = engine_factory()
-    graphs = engine.runner.graphs
-    prev = torch.arange(graphs._prev.numel() + 5) + 1000  # more sampled rows than the buffer holds
+    prev = torch.arange(engine.runner.graphs.max_prev + 5) + 1000  # more sampled rows than the buffer holds
     prev[-1], prev[2] = 11, 33
-    got, ref = _two_runs(engine, prev_tokens=prev, token_src=[prev.numel() - 1, -1, 2])
+    got, ref = _two_runs(engine, prev, [prev.numel() - 1, -1, 2])
     assert torch.equal(got, ref)
 
 
@@ -341,6 +369,6 @@ def test_async_engine_outputs_equal_with_and_without_the_static_path(make_engine
     graphed = make_engine(model, static_decode_buffers=True, **kw)
     calls = []
     graph_run = graphed.runner.graphs.run
-    graphed.runner.graphs.run = lambda **k: calls.append(k["token_src"]) or graph_run(**k)
-    assert run(graphed) == run(make_engine(model, **kw))
-    assert any(src is not None and max(src) >= 0 for src in calls)
+    graphed.runner.graphs.run = lambda inputs, prev=None: calls.append(inputs.pending) or graph_run(inputs, prev)
+    assert run(graphed) == run(make_engine(model, static_decode_buffers=False, **kw))
+    assert any(calls)  # some decode step took a pending id inside the static path

@@ -1,11 +1,16 @@
-"""The page pool and the state-slot pool: all-or-nothing allocation, LRU reuse of cached pages, leaks."""
+"""The page pool, the state-slot pool and the cache manager over them: all-or-nothing allocation, LRU
+reuse of cached pages (reported, not called back), leaks."""
 
 from __future__ import annotations
 
 import pytest
 
-from hyserve.engine.kv_cache import BlockPool, CachePlan, KVCacheManager, SlotPool
+from hyserve.config import EngineConfig
+from hyserve.engine.block_pool import BlockPool, SlotPool
+from hyserve.engine.kv_cache import CachePlan, KVCacheManager
+from hyserve.engine.prefix_cache import NO_HIT
 from hyserve.engine.request import Request
+from hyserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from hyserve.sampling_params import SamplingParams
 
 
@@ -13,11 +18,16 @@ def request() -> Request:
     return Request("r", [1, 2, 3], SamplingParams(), max_tokens=4)
 
 
+def computed(kv: KVCacheManager, req: Request, n: int) -> None:
+    """What a launched step of n tokens does to the request's computed count."""
+    kv.begin_step(SchedulerOutput([ScheduledSeq(req, n, req.num_computed_tokens)]))
+
+
 @pytest.fixture
 def kv(tiny_model) -> KVCacheManager:
     model, _ = tiny_model("k3-tiny")
     plan = CachePlan(num_blocks=8, num_slots=4, num_checkpoint_slots=2, block_size=16, page_bytes=1, slot_bytes=1)
-    return KVCacheManager(model, plan, model.dtype)
+    return KVCacheManager(EngineConfig(model="k3-tiny", enable_prefix_caching=False), model, plan, model.dtype)
 
 
 def test_allocation_is_all_or_nothing():
@@ -41,8 +51,9 @@ def test_a_freed_cached_block_stays_findable_until_reused():
     pool.free([a, b])
     assert pool.lookup(123) == a
     assert pool.allocate(1) == [b]  # unhashed blocks are reused first
-    assert pool.lookup(123) == a
+    assert pool.lookup(123) == a and pool.take_evicted() == []
     assert pool.allocate(1) == [a] and pool.lookup(123) is None
+    assert pool.take_evicted() == [(a, 123)] and pool.take_evicted() == []  # the owner spills it, once
 
 
 def test_touching_a_free_cached_block_takes_it_off_the_free_queue():
@@ -74,18 +85,27 @@ def test_slot_pool_hands_out_each_slot_once():
 
 def test_a_block_table_grows_to_cover_the_tokens(kv):
     req = request()
-    assert kv.allocate(req, 17) and len(req.block_ids) == 2
-    assert kv.allocate(req, 32) and len(req.block_ids) == 2
-    assert kv.allocate(req, 33) and len(req.block_ids) == 3
+    assert kv.allocate_slots(req, 17, NO_HIT) == 17 and len(req.block_ids) == 2
+    computed(kv, req, 17)
+    assert kv.allocate_slots(req, 15) == 15 and len(req.block_ids) == 2
+    assert kv.allocate_slots(req, 16) == 16 and len(req.block_ids) == 3
     kv.free(req)
 
 
 def test_a_failed_allocation_leaves_the_block_table_unchanged(kv):
     req = request()
-    assert kv.allocate(req, 16)
-    assert not kv.allocate(req, 16 * 9)
+    assert kv.allocate_slots(req, 16, NO_HIT) == 16
+    computed(kv, req, 16)
+    assert kv.allocate_slots(req, 16 * 8) == 0
     assert len(req.block_ids) == 1 and kv.blocks.num_free == 7
     kv.free(req)
+
+
+def test_a_failed_admission_takes_nothing(kv):
+    req = request()
+    assert kv.allocate_slots(req, 16 * 9, NO_HIT) == 0
+    assert req.block_ids == [] and req.state_slot is None and req.num_computed_tokens == 0
+    kv.check_empty()
 
 
 def test_running_slots_and_checkpoint_slots_are_disjoint(kv):
@@ -96,31 +116,33 @@ def test_running_slots_and_checkpoint_slots_are_disjoint(kv):
 
 def test_free_returns_pages_and_slot(kv):
     req = request()
-    assert kv.allocate_slot(req) and kv.allocate(req, 40)
+    assert kv.allocate_slots(req, 40, NO_HIT) and req.state_slot is not None
+    computed(kv, req, 40)
     kv.free(req)
-    assert req.block_ids == [] and req.state_slot is None
+    assert req.block_ids == [] and req.state_slot is None and req.num_computed_tokens == 0 and req.fresh_state
     kv.check_empty()
 
 
 def test_check_empty_reports_a_leaked_page(kv):
     req = request()
-    kv.allocate(req, 1)
+    kv.allocate_slots(req, 1, NO_HIT)
     with pytest.raises(AssertionError, match="referenced"):
         kv.check_empty()
     kv.free(req)
 
 
 def test_check_empty_reports_a_leaked_slot(kv):
-    req = request()
-    kv.allocate_slot(req)
+    slot = kv.slots.allocate()
     with pytest.raises(AssertionError, match="slots leaked"):
         kv.check_empty()
-    kv.free(req)
+    kv.slots.free(slot)
 
 
 def test_check_empty_accepts_exactly_the_pinned_pages(kv):
     (b,) = kv.blocks.allocate(1)
     kv.check_empty(pinned_blocks={b})
-    kv.check_empty(pinned_blocks=1)
+    with pytest.raises(AssertionError, match="referenced but not pinned"):
+        kv.check_empty()
     with pytest.raises(AssertionError, match="pinned but free"):
         kv.check_empty(pinned_blocks={b, b + 1})
+    kv.blocks.free([b])

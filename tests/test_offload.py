@@ -24,8 +24,8 @@ def test_a_checkpoint_restored_from_the_cpu_tier_gives_identical_outputs(make_en
     engine = make_engine(**TIGHT)
     generate(engine, prompt, PARAMS)
     generate(engine, other, PARAMS)  # evicts prompt's checkpoint and its pages
-    pc = engine.prefix_cache
-    assert pc.num_checkpoint_evictions == 1 and pc.cpu.ckpts_out == 1 and pc.cpu.pages_out > 0
+    pc = engine.kv.prefix
+    assert pc.checkpoints.num_evictions == 1 and pc.cpu.ckpts_out == 1 and pc.cpu.pages_out > 0
 
     hit = generate(engine, cont, PARAMS)
     assert hit.num_cached_tokens == 149 and pc.cpu_hits == 149
@@ -47,8 +47,8 @@ def test_the_longer_cpu_hit_wins_over_a_shorter_gpu_hit(make_engine):
     engine = make_engine(**dict(TIGHT, num_gpu_blocks=64))
     generate(engine, x[:80], PARAMS)  # checkpoint at 79 (GPU)
     generate(engine, x[:41], PARAMS)  # checkpoint at 40 (GPU), pushes 79 to the CPU
-    pc = engine.prefix_cache
-    assert [c.p for c in pc.ckpts.values()] == [40] and [c.p for c in pc.cpu.ckpts.values()] == [79]
+    pc = engine.kv.prefix
+    assert [c.p for c in pc.checkpoints.ckpts.values()] == [40] and [c.p for c in pc.cpu.ckpts.values()] == [79]
     ref = generate(make_engine(enable_prefix_caching=False), x, PARAMS)
     hit = generate(engine, x, PARAMS)
     assert hit.num_cached_tokens == 79 and pc.cpu_hits == 79
@@ -60,15 +60,15 @@ def test_the_longer_gpu_hit_wins_over_a_shorter_cpu_hit(make_engine):
     engine = make_engine(**dict(TIGHT, num_gpu_blocks=64))
     generate(engine, x[:41], PARAMS)  # checkpoint at 40
     generate(engine, x[:80], PARAMS)  # hits 40, checkpoints 79, pushes 40 to the CPU
-    pc = engine.prefix_cache
-    assert [c.p for c in pc.ckpts.values()] == [79] and [c.p for c in pc.cpu.ckpts.values()] == [40]
+    pc = engine.kv.prefix
+    assert [c.p for c in pc.checkpoints.ckpts.values()] == [79] and [c.p for c in pc.cpu.ckpts.values()] == [40]
     assert generate(engine, x, PARAMS).num_cached_tokens == 79 and pc.cpu_hits == 0
 
 
 def test_pages_evicted_in_one_allocation_leave_in_one_batch(make_engine):
     engine = make_engine(**dict(TIGHT, num_gpu_blocks=12))  # the next prompt must evict most pages
     generate(engine, tokens(random.Random(3), 150), PARAMS)
-    cpu = engine.prefix_cache.cpu
+    cpu = engine.kv.prefix.cpu
     before = cpu.pages_out
     calls = []
     real = cpu.put_pages

@@ -23,8 +23,8 @@ def test_outputs_identical_on_and_off_over_an_agent_workload_with_eviction(make_
 
     assert len(on) >= 200
     assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
-    pc = engine.prefix_cache
-    assert pc.num_page_evictions > 0 and pc.num_checkpoint_evictions > 0
+    pc = engine.kv.prefix
+    assert pc.num_page_evictions > 0 and pc.checkpoints.num_evictions > 0
     # the counters are tokens actually skipped; a preempted request queries (and may hit) again
     assert engine.stats.prefix_cache_hits >= sum(o.num_cached_tokens for o in on) > 0
     assert engine.stats.prefix_cache_queries >= sum(len(o.prompt_token_ids) for o in on)
@@ -37,8 +37,8 @@ def test_outputs_identical_on_and_off_over_an_agent_workload_with_eviction(make_
 def test_pool_is_empty_after_the_workload_except_checkpoint_tails(make_engine):
     engine = make_engine(num_gpu_blocks=64, num_checkpoint_slots=8)
     agent_workload(engine, sessions=6, turns=4)
-    pc = engine.prefix_cache
-    engine.kv.check_empty(pinned_blocks=pc.pinned_blocks)
+    pc = engine.kv.prefix
+    engine.kv.check_empty()
     assert pc.pinned_blocks, "non-aligned prompt-end checkpoints pin their tail pages"
     assert engine.kv.slots.num_free == engine.kv.slots.num_slots
 
@@ -136,9 +136,9 @@ def test_the_hit_falls_back_to_the_deepest_retained_checkpoint(make_engine):
     rng = random.Random(9)
     prompt = tokens(rng, 70)
     generate(engine, prompt)  # checkpoints at 16, 32, 48, 64 and 69
-    pc = engine.prefix_cache
-    for c in [c for c in pc.ckpts.values() if c.p in (64, 69)]:  # lose the deepest ones
-        pc.discard(c)
+    pc = engine.kv.prefix
+    for c in [c for c in pc.checkpoints.ckpts.values() if c.p in (64, 69)]:  # lose the deepest ones
+        pc.checkpoints.discard(c)
     assert generate(engine, prompt + [1, 2]).num_cached_tokens == 48
 
 
@@ -165,7 +165,7 @@ def test_checkpoint_eviction_weighs_flops_saved_per_byte_against_recency(make_en
     for n in (200, 20, 100):  # checkpoints at 199 (oldest), 19 (cheap), 99
         generate(engine, tokens(rng, n))
     generate(engine, tokens(rng, 30))  # needs a slot: LRU would drop 199; 19 saves the least per byte
-    assert sorted(c.p for c in engine.prefix_cache.ckpts.values()) == [29, 99, 199]
+    assert sorted(c.p for c in engine.kv.prefix.checkpoints.ckpts.values()) == [29, 99, 199]
 
 
 def test_start_up_log_reports_capacities_and_the_effective_mode(make_engine, caplog):

@@ -1,4 +1,5 @@
-"""The engine core in its own process, and the asyncio client the server talks to (DESIGN.md §7).
+"""The engine core in its own process, and the asyncio client the server talks to (docs/ARCHITECTURE.md,
+"Engine process").
 
 The server process never imports torch: it tokenizes, renders chat and parses outputs, and exchanges small
 messages with the engine process over two multiprocessing queues (the protocol and the engine-side loop

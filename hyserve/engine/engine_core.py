@@ -4,9 +4,10 @@ runs in the engine process (`engine_main`). The server side is `engine_client.As
     server -> engine   ("add", EngineRequest) | ("abort", request_id) | ("shutdown",)
     engine -> server   ("ready", info) | ("step", [RequestDelta], stats) | ("dead", message)
 
-One "step" message carries every request's news from one engine step (token-id deltas per completion,
-text deltas, logprobs, finish reasons, errors, acceptance acks) plus a stats snapshot for /metrics. The
-loop steps while it has work and blocks on its queue when idle, so an idle server burns no CPU.
+One "step" message carries every request's news from one engine step, as the engine emits it (token-id
+deltas per completion, text deltas, logprobs, finish reasons, errors; `LLMEngine.step_deltas`), the loop's
+acceptance acks, and a stats snapshot for /metrics. The loop steps while it has work and blocks on its
+queue when idle, so an idle server burns no CPU.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ import queue
 import signal
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from hyserve.config import EngineConfig
+from hyserve.outputs import CompletionDelta, RequestDelta
 from hyserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -37,29 +39,6 @@ class EngineRequest:
     arrival_time: float = 0.0
 
 
-@dataclass
-class CompletionDelta:
-    index: int
-    token_ids: list[int]
-    text: str
-    logprobs: list[dict] | None = None  # new positions only: token id -> Logprob
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-@dataclass
-class RequestDelta:
-    request_id: str
-    completions: list[CompletionDelta] = field(default_factory=list)
-    finished: bool = False
-    accepted: bool = False  # the engine took the request (sent once, before any tokens)
-    error: str | None = None
-    bad_request: bool = False  # the error is the client's fault (HTTP 400), not the engine's
-    num_cached_tokens: int = 0
-    # Sent once, whole, with the first delta after prefill (one entry per prompt token, the first None)
-    prompt_logprobs: list[dict | None] | None = None
-
-
 class EngineRequestError(Exception):
     def __init__(self, message: str, bad_request: bool = False) -> None:
         super().__init__(message)
@@ -72,38 +51,6 @@ class EngineDeadError(RuntimeError):
 
 # ---------------------------------------------------------------------------------------------------
 # The engine process
-
-
-class _DeltaTracker:
-    """Turns the engine's cumulative outputs into per-step deltas, holding back text that might be
-    the start of a stop string (the engine cuts a matched stop string out of the text)."""
-
-    def __init__(self, params: SamplingParams) -> None:
-        self.holdback = max((len(s) for s in params.stop or ()), default=1) - 1
-        self.sent: dict[int, tuple[int, int, int]] = {}  # index -> (tokens, chars, logprobs) sent
-        self.wants_prompt_logprobs = params.prompt_logprobs is not None
-
-    def prompt_logprobs(self, out) -> list | None:
-        """The request's prompt logprobs, once they are complete and not yet sent."""
-        pl = out.prompt_logprobs
-        if not self.wants_prompt_logprobs or pl is None:
-            return None
-        if len(pl) < len(out.prompt_token_ids or ()) and not out.finished:
-            return None  # prefill still running (chunked)
-        self.wants_prompt_logprobs = False
-        return list(pl)
-
-    def delta(self, comp) -> CompletionDelta | None:
-        ntok, nchar, nlp = self.sent.get(comp.index, (0, 0, 0))
-        done = comp.finish_reason is not None
-        end = len(comp.text) if done else max(nchar, len(comp.text) - self.holdback)
-        lps = comp.logprobs[nlp:] if comp.logprobs is not None else None
-        d = CompletionDelta(comp.index, comp.token_ids[ntok:], comp.text[nchar:end], lps or None,
-                            comp.finish_reason, comp.stop_reason)
-        self.sent[comp.index] = (len(comp.token_ids), end, nlp + len(lps or ()))
-        if not d.token_ids and not d.text and not done:
-            return None
-        return d
 
 
 def engine_main(cfg: EngineConfig, in_q, out_q) -> None:
@@ -144,7 +91,6 @@ def engine_main(cfg: EngineConfig, in_q, out_q) -> None:
 class _EngineLoop:
     def __init__(self, engine, in_q, out_q) -> None:
         self.engine, self.in_q, self.out_q = engine, in_q, out_q
-        self.trackers: dict[str, _DeltaTracker] = {}
         self.adds_seen = 0
         self.parent_pid = os.getppid()
 
@@ -158,10 +104,7 @@ class _EngineLoop:
                     return
                 self._handle(msg, deltas)
             if self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    d = self._delta(out)
-                    if d is not None:
-                        deltas.append(d)
+                deltas += self.engine.step_deltas()
             self.out_q.put(("step", deltas, self._stats()))
 
     def _drain(self, block: bool) -> list[tuple]:
@@ -183,7 +126,6 @@ class _EngineLoop:
         kind = msg[0]
         if kind == "abort":
             self.engine.abort_request(msg[1])
-            self.trackers.pop(msg[1], None)
         elif kind == "add":
             self.adds_seen += 1
             req: EngineRequest = msg[1]
@@ -202,21 +144,7 @@ class _EngineLoop:
             except ValueError as e:
                 deltas.append(RequestDelta(req.request_id, finished=True, error=str(e), bad_request=True))
                 return
-            self.trackers[req.request_id] = _DeltaTracker(req.params)
             deltas.append(RequestDelta(req.request_id, accepted=True))
-
-    def _delta(self, out) -> RequestDelta | None:
-        tracker = self.trackers.get(out.request_id)
-        if tracker is None:
-            return None
-        if out.finished:
-            del self.trackers[out.request_id]
-        comps = [d for c in out.outputs if (d := tracker.delta(c)) is not None]
-        prompt_lps = tracker.prompt_logprobs(out)
-        if not comps and not out.finished and prompt_lps is None:
-            return None
-        return RequestDelta(out.request_id, comps, out.finished, error=out.error,
-                            num_cached_tokens=out.num_cached_tokens, prompt_logprobs=prompt_lps)
 
     def _stats(self) -> dict[str, Any]:
         stats = dataclasses.asdict(self.engine.stats)

@@ -1,22 +1,27 @@
-"""The hybrid cache: a page pool (packed rows, one per block, every MLA layer) and a state-slot pool
-(conv tail + recurrent matrix of every KDA layer), carved from one memory budget (DESIGN.md §4).
+"""The hybrid cache and the one API over it (docs/ARCHITECTURE.md, "Cache").
 
-Allocation is O(1) per block: free blocks live in an insertion-ordered dict used as an LRU queue, so a
-freed block that still holds a cached page stays findable by hash until it is reused.
+The cache is a page pool (packed rows, one per block, every MLA layer and its DSA index keys) and a
+state-slot pool (conv tail + recurrent matrix of every KDA layer), carved from one memory budget. The
+scheduler and the engine call only `KVCacheManager`, in vLLM's shape: find the prefix hit
+(`get_computed_tokens`), allocate slots for a step (`allocate_slots`), mark a step's tokens computed
+(`begin_step`), cache what a step computed (`cache_blocks`), free (`free`, also what preemption does).
+Under it are the per-kind stores: the block pool (pages), the running state slots, and the prefix cache
+with its checkpoints (or `NoPrefixCache`). It alone writes a request's block table, computed-token count,
+state slot and fresh-state flag.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-import weakref
-from collections import OrderedDict
 from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
 
 from hyserve.config import EngineConfig
+from hyserve.engine.block_pool import BlockPool, SlotPool
+from hyserve.engine.prefix_cache import NO_HIT, NoPrefixCache, PrefixCache, PrefixHit
 from hyserve.engine.request import Request
 from hyserve.models.batch import CacheTensors
 from hyserve.models.kimi import KimiForCausalLM
@@ -105,91 +110,8 @@ def plan_cache(
                      index_key_bytes=index_bytes, scratch=scratch)
 
 
-class BlockPool:
-    """Reference-counted blocks; free ones queue in LRU order (oldest first = next to be reused)."""
-
-    def __init__(self, num_blocks: int):
-        self.num_blocks = num_blocks
-        self.ref_cnt = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}  # hash -> block id
-        self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
-        # a weakref.WeakMethod of callback(block_id, hash), called before a cached block is reused (the
-        # prefix cache's CPU tier). Weak, so the prefix cache and the pool form no reference cycle: a
-        # dropped engine frees its GPU pool at once rather than when the collector next runs
-        self.on_evict: weakref.WeakMethod | None = None
-
-    @property
-    def num_free(self) -> int:
-        return len(self.free_queue)
-
-    def allocate(self, n: int) -> list[int] | None:
-        if n > len(self.free_queue):
-            return None
-        out = []
-        for _ in range(n):
-            b, _ = self.free_queue.popitem(last=False)
-            self._drop_hash(b)
-            self.ref_cnt[b] = 1
-            out.append(b)
-        return out
-
-    def _drop_hash(self, b: int) -> None:
-        h = self.block_hash[b]
-        if h is not None:
-            callback = self.on_evict() if self.on_evict is not None else None
-            if callback is not None:
-                callback(b, h)
-            if self.cached.get(h) == b:
-                del self.cached[h]
-            self.block_hash[b] = None
-
-    def touch(self, b: int) -> None:
-        """Take a reference to a (possibly free, cached) block."""
-        if self.ref_cnt[b] == 0:
-            self.free_queue.pop(b, None)
-        self.ref_cnt[b] += 1
-
-    def free(self, blocks: list[int]) -> None:
-        # tail blocks first, so they are evicted before the shared heads of the same request
-        for b in reversed(blocks):
-            self.ref_cnt[b] -= 1
-            if self.ref_cnt[b] < 0:
-                raise RuntimeError(f"block {b} freed twice")
-            if self.ref_cnt[b] == 0:
-                self.free_queue[b] = None
-                if self.block_hash[b] is None:
-                    self.free_queue.move_to_end(b, last=False)  # unhashed: reuse first
-
-    def set_hash(self, b: int, h: int) -> None:
-        if self.block_hash[b] is None and h not in self.cached:
-            self.block_hash[b] = h
-            self.cached[h] = b
-
-    def lookup(self, h: int) -> int | None:
-        return self.cached.get(h)
-
-
-class SlotPool:
-    """State slots `start..stop-1` of the state tensors."""
-
-    def __init__(self, start: int, stop: int):
-        self.num_slots = stop - start
-        self.free_slots = list(range(stop - 1, start - 1, -1))
-
-    @property
-    def num_free(self) -> int:
-        return len(self.free_slots)
-
-    def allocate(self) -> int | None:
-        return self.free_slots.pop() if self.free_slots else None
-
-    def free(self, slot: int) -> None:
-        self.free_slots.append(slot)
-
-
 class KVCacheManager:
-    def __init__(self, model: KimiForCausalLM, plan: CachePlan, dtype: torch.dtype):
+    def __init__(self, cfg: EngineConfig, model: KimiForCausalLM, plan: CachePlan, dtype: torch.dtype):
         self.plan = plan
         self.block_size = plan.block_size
         self.tensors: CacheTensors = model.make_cache(plan.num_blocks, plan.block_size, plan.num_slots, dtype)
@@ -204,14 +126,59 @@ class KVCacheManager:
         run = usable - plan.num_checkpoint_slots
         self.slots = SlotPool(0, run)
         self.checkpoint_slots = SlotPool(run, usable)
+        self.prefix: NoPrefixCache = NoPrefixCache()
+        if cfg.enable_prefix_caching:
+            self.prefix = PrefixCache(cfg, self.blocks, self.checkpoint_slots, self.tensors, plan.block_size,
+                                      plan.slot_bytes, plan.page_bytes, model.config)
 
-    def blocks_needed(self, req: Request, num_tokens: int) -> int:
-        return max(0, -(-num_tokens // self.block_size) - len(req.block_ids))
+    # ---- admission and growth --------------------------------------------------------------------
+    def get_computed_tokens(self, req: Request) -> PrefixHit:
+        """The prefix hit a waiting request would start from (NO_HIT without one); takes nothing."""
+        return self.prefix.find(req)
 
-    def allocate(self, req: Request, num_tokens: int) -> bool:
+    def allocate_slots(self, req: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> int:
+        """Pages for req's next `num_new_tokens` tokens; at admission (`hit` given) first a state slot and
+        the hit (a shallower one, then none, when the pool cannot hold the hit's new pages). Returns the
+        tokens granted: fewer when the chunk must end where the prefix cache keeps a checkpoint, 0 when
+        the pool is short (then req holds exactly what it held before)."""
+        if hit is not None:
+            hit = self._admit(req, hit)
+            if hit is None:
+                return 0
+        n = self.prefix.limit_chunk(req, num_new_tokens)
+        # pages pinned by prefix checkpoints are cache, not work: release them before giving up, or a
+        # small pool preempts (and finally fails) requests while checkpoints hold its pages
+        while not self._grow(req, req.num_computed_tokens + n):
+            if not self.prefix.release_pinned_page():
+                if hit is not None:  # admission failed: undo it
+                    self._release(req)
+                    req.num_cached_tokens = req.num_external_cached_tokens = 0
+                return 0
+        if hit is not None:
+            self.prefix.admitted(req, hit)
+        return n
+
+    def _admit(self, req: Request, hit: PrefixHit) -> PrefixHit | None:
+        slot = self.slots.allocate()
+        if slot is None:
+            return None
+        req.state_slot, req.fresh_state = slot, True
+        while hit.num_tokens:
+            blocks = self.prefix.load(req, hit, slot)
+            if blocks is not None:
+                req.block_ids, req.fresh_state = blocks, False
+                req.num_computed_tokens = req.num_cached_tokens = hit.num_tokens
+                req.num_external_cached_tokens = hit.num_tokens if hit.external else 0
+                break
+            # the pages to load from the CPU tier do not fit: the longest hit that needs none
+            hit = self.prefix.find(req, gpu_only=True) if hit.needs_cpu else NO_HIT
+        self.prefix.start(req, hit)
+        return hit
+
+    def _grow(self, req: Request, num_tokens: int) -> bool:
         """Make req's block table cover `num_tokens` tokens; all or nothing."""
-        need = self.blocks_needed(req, num_tokens)
-        if need == 0:
+        need = -(-num_tokens // self.block_size) - len(req.block_ids)
+        if need <= 0:
             return True
         new = self.blocks.allocate(need)
         if new is None:
@@ -219,35 +186,60 @@ class KVCacheManager:
         req.block_ids.extend(new)
         return True
 
-    def allocate_slot(self, req: Request) -> bool:
-        if req.state_slot is None:
-            slot = self.slots.allocate()
-            if slot is None:
-                return False
-            req.state_slot = slot
-            req.fresh_state = True
-        return True
+    # ---- a step ----------------------------------------------------------------------------------
+    def begin_step(self, out) -> None:
+        """The step's forward is about to be queued: the queued cache copies go first (the forward
+        overwrites what they read), and its tokens count as computed."""
+        self.prefix.flush()
+        for s in out.seqs:
+            s.req.num_computed_tokens = s.end
+            s.req.fresh_state = False
 
-    def free(self, req: Request) -> None:
+    def cache_blocks(self, out) -> None:
+        """The step's token ids are known (or, async, those that are): register its full pages and take
+        the checkpoints planned at its end positions."""
+        self.prefix.cache_blocks(out.seqs)
+
+    def free(self, req: Request, cache: bool = True) -> None:
+        """Finish, abort or preemption: the prefix cache keeps what it retains of the request (nothing
+        when `cache` is False: a failed step leaves its contents suspect), then everything is released
+        and the request would start over."""
+        if cache:
+            self.prefix.retain(req)
+        else:
+            self.prefix.forget(req)
+        self._release(req)
+
+    def _release(self, req: Request) -> None:
         self.blocks.free(req.block_ids)
         req.block_ids = []
         if req.state_slot is not None:
             self.slots.free(req.state_slot)
             req.state_slot = None
+        req.num_computed_tokens = 0
+        req.fresh_state = True
+
+    # ---- state -----------------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.blocks.num_blocks
+
+    @property
+    def prefix_stats(self) -> tuple[int, int]:
+        """(prompt tokens looked up, prompt tokens hit): vLLM's prefix_cache_queries and _hits."""
+        return self.prefix.queries, self.prefix.hits
 
     @property
     def usage(self) -> float:
         return 1.0 - self.blocks.num_free / max(1, self.blocks.num_blocks)
 
-    def check_empty(self, pinned_blocks: int | Collection[int] = 0) -> None:
-        """Raise unless no request holds a block or a running slot. `pinned_blocks` are held by prefix
-        checkpoints: a count, or (stricter) the exact block ids, which must be the only ones referenced."""
-        held = [b for b, r in enumerate(self.blocks.ref_cnt) if r != 0]
-        if isinstance(pinned_blocks, int):
-            if len(held) != pinned_blocks:
-                raise AssertionError(f"blocks still referenced: {held[:10]}")
-        elif set(held) != set(pinned_blocks):
-            extra, missing = sorted(set(held) - set(pinned_blocks)), sorted(set(pinned_blocks) - set(held))
+    def check_empty(self, pinned_blocks: Collection[int] | None = None) -> None:
+        """Raise unless no request holds a block or a running slot: the only referenced blocks must be
+        `pinned_blocks` (default: the pages prefix checkpoints pin)."""
+        pinned = set(self.prefix.pinned_blocks if pinned_blocks is None else pinned_blocks)
+        held = {b for b, r in enumerate(self.blocks.ref_cnt) if r != 0}
+        if held != pinned:
+            extra, missing = sorted(held - pinned), sorted(pinned - held)
             raise AssertionError(f"blocks referenced but not pinned: {extra[:10]}; pinned but free: {missing[:10]}")
         if self.slots.num_free != self.slots.num_slots:
             raise AssertionError(f"state slots leaked: {self.slots.num_slots - self.slots.num_free} not returned")

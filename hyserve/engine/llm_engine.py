@@ -1,4 +1,9 @@
-"""add_request / abort / step: the engine loop (DESIGN.md §3)."""
+"""add_request / abort / step: the engine loop (docs/ARCHITECTURE.md, "Engine loop").
+
+A step schedules, launches the forward and the sampler, reads the sampled tokens back, applies them
+(logprobs, detokenizing, stop checks) and emits each touched request's delta. `step_deltas()` hands the
+deltas out as they are; `step()` shapes them into `RequestOutput`s by each request's output_kind.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +11,15 @@ import dataclasses
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from hyserve.config import EngineConfig, log_startup, resolve_config
 from hyserve.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from hyserve.engine.kv_cache import KVCacheManager, plan_cache
-from hyserve.engine.model_runner import ModelRunner, PendingTokens
+from hyserve.engine.model_runner import ModelRunner
+from hyserve.engine.output_processor import CompletionState, ParentRequest, check_stop
 from hyserve.engine.readback import Readback
 from hyserve.engine.request import Request, RequestStatus
 from hyserve.engine.sampler import (
@@ -24,22 +30,16 @@ from hyserve.engine.sampler import (
     logprob_dicts,
 )
 from hyserve.engine.scheduler import Scheduler, SchedulerOutput
+from hyserve.engine.step_inputs import PendingTokens
 from hyserve.models.loader import load_model, resolve_dtype
-from hyserve.outputs import CompletionOutput, Logprob, RequestOutput
-from hyserve.sampling_params import RequestOutputKind, SamplingParams
-from hyserve.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+from hyserve.outputs import Logprob, OutputAccumulator, RequestDelta, RequestOutput
+from hyserve.sampling_params import SamplingParams
+from hyserve.tokenizer import Tokenizer, load_tokenizer, parse_prompt
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class _Parent:
-    """A user request; n > 1 fans out into n child requests that are scheduled independently."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    children: list[Request] = field(default_factory=list)
+_Emitted = tuple[ParentRequest, RequestDelta]
 
 
 @dataclass
@@ -73,6 +73,21 @@ class EngineStats:
     last_step_tokens: int = 0
 
 
+@dataclass
+class StepStats:
+    """What one engine step computed: the step whose results a `step()` call read back (under async
+    scheduling, the one the call before launched). A public seam for benchmarks and stat loggers."""
+
+    num_seqs: int = 0
+    num_prompt_tokens: int = 0  # prompt tokens computed (prefill chunks)
+    num_decode_tokens: int = 0  # tokens computed past the prompts
+
+    @classmethod
+    def of(cls, out: SchedulerOutput) -> StepStats:
+        prompt = sum(max(0, min(s.end, s.req.num_prompt_tokens) - s.start) for s in out.seqs)
+        return cls(len(out.seqs), prompt, out.num_tokens - prompt)
+
+
 class LLMEngine:
     def __init__(
         self, cfg: EngineConfig, model=None, tokenizer: Tokenizer | None = None, *, static_decode_buffers: bool = False
@@ -98,9 +113,8 @@ class LLMEngine:
         cuda_graphs = static_decode_buffers or not cfg.enforce_eager
         self.cache_plan = plan_cache(cfg, self.model, cache_dtype, self.max_model_len, scratch=cuda_graphs)
         log.info(self.cache_plan.describe())
-        self.kv = KVCacheManager(self.model, self.cache_plan, cache_dtype)
-        self.prefix_cache = self._make_prefix_cache()
-        self.scheduler = Scheduler(cfg, self.kv, self.prefix_cache)
+        self.kv = KVCacheManager(cfg, self.model, self.cache_plan, cache_dtype)
+        self.scheduler = Scheduler(cfg, self.kv)
         graphs = None
         if cuda_graphs:
             # a decode step has at most one token per sequence, so the token budget caps it too
@@ -111,20 +125,11 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv, graphs)
         self.sampler = Sampler()
         self.eos_token_ids = list(self.model_config.eos_token_ids) or [self.tokenizer.eos_token_id]
-        self.parents: dict[str, _Parent] = {}
-        self.requests: dict[str, Request] = {}
+        self.parents: dict[str, ParentRequest] = {}
         self.stats = EngineStats()
+        self._landed: SchedulerOutput | None = None  # the step the last step() call read back
         self._in_flight: _Launched | None = None  # async scheduling: the step whose tokens are on the device
-        self._stashed: list[RequestOutput] = []  # outputs of a step read back early (an abort)
-
-    def _make_prefix_cache(self):
-        if not self.cfg.enable_prefix_caching:
-            return None
-        try:
-            from hyserve.engine.prefix_cache import PrefixCache
-        except ImportError:  # built without the prefix cache module
-            return None
-        return PrefixCache(self.cfg, self.kv, self.model_config)
+        self._stashed: list[_Emitted] = []  # deltas of a step read back early (an abort)
 
     # ---- requests --------------------------------------------------------------------------------
     def add_request(
@@ -135,24 +140,44 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.parents:
             raise ValueError(f"request id '{request_id}' is already in use")
-        text, ids = self._prompt_ids(prompt)
+        text, ids = parse_prompt(prompt, self.tokenizer)
+        params, max_tokens = self._checked(params, ids)
+        arrival = arrival_time or time.time()
+        children = []
+        for i in range(params.n):
+            child = Request(
+                request_id=f"{request_id}" if params.n == 1 else f"{request_id}#{i}",
+                prompt_token_ids=ids, params=params, max_tokens=max_tokens, arrival_time=arrival,
+                priority=priority, cache_salt=cache_salt, prompt=text, parent_id=request_id, index=i,
+            )
+            if params.seed is not None:
+                child.generator = torch.Generator(device=self.device).manual_seed(params.seed + i)
+            if params.structured is not None:
+                child.matcher = params.structured.new_matcher()
+            child.output = CompletionState.for_request(child, self.tokenizer)
+            children.append(child)
+        outputs = OutputAccumulator(request_id, text, ids, params, children[0].metrics)
+        self.parents[request_id] = ParentRequest(request_id, outputs, children)
+        for child in children:
+            self.scheduler.add(child)
+
+    def _checked(self, params: SamplingParams, ids: list[int]) -> tuple[SamplingParams, int]:
+        """(params, max_tokens) for a prompt of `ids`; ValueError when they cannot be served."""
+        vocab = self.model_config.vocab_size
         if not ids:
             raise ValueError("the prompt is empty")
-        bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+        bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token ids out of range [0, {self.model_config.vocab_size}): {bad[:5]}")
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens, which leaves no room to generate within max_model_len "
                 f"{self.max_model_len}"
             )
         room = self.max_model_len - len(ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        if params.logit_bias:
-            out_of_range = [t for t in params.logit_bias if not 0 <= t < self.model_config.vocab_size]
-            if out_of_range:
-                raise ValueError(f"logit_bias token ids out of range: {out_of_range[:5]}")
-        vocab = self.model_config.vocab_size
+        out_of_range = [t for t in params.logit_bias or () if not 0 <= t < vocab]
+        if out_of_range:
+            raise ValueError(f"logit_bias token ids out of range: {out_of_range[:5]}")
         # min_tokens masks the stop ids by index, so an id past the vocabulary would fail the engine step
         # (and with it every running request); it could never be sampled anyway.
         bad_stops = [t for t in params.stop_token_ids or () if not 0 <= t < vocab]
@@ -161,37 +186,7 @@ class LLMEngine:
         if params.top_k >= vocab:
             # Keeping the whole vocabulary is "off"; a huge k (2**70) would not even fit the int64 tensor.
             params = dataclasses.replace(params, top_k=0)
-        arrival = arrival_time or time.time()
-        parent = _Parent(request_id, text, ids)
-        for i in range(params.n):
-            child = Request(
-                request_id=f"{request_id}" if params.n == 1 else f"{request_id}#{i}",
-                prompt_token_ids=ids, params=params, max_tokens=max_tokens, arrival_time=arrival,
-                priority=priority, cache_salt=cache_salt, prompt=text,
-            )
-            if params.seed is not None:
-                child.generator = torch.Generator(device=self.device).manual_seed(params.seed + i)
-            child.extra["index"] = i
-            child.extra["parent"] = request_id
-            child.extra["detok"] = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
-            child.extra["text"] = ""
-            parent.children.append(child)
-            self.scheduler.add(child)
-        self.parents[request_id] = parent
-
-    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
-        raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
+        return params, room if params.max_tokens is None else min(params.max_tokens, room)
 
     def abort_request(self, request_id: str) -> None:
         parent = self.parents.get(request_id)
@@ -199,7 +194,7 @@ class LLMEngine:
             return
         if self._in_flight is not None and any(c.num_pending for c in parent.children):
             self._drain()  # the prefix cache registers a request's blocks by their token ids when it ends
-            self._stashed = [o for o in self._stashed if o.request_id != request_id]
+            self._stashed = [e for e in self._stashed if e[1].request_id != request_id]
         self.parents.pop(request_id, None)
         for child in parent.children:
             if not child.is_finished:
@@ -209,7 +204,23 @@ class LLMEngine:
         return bool(self.parents or self._stashed)
 
     # ---- the step --------------------------------------------------------------------------------
+    @property
+    def last_step(self) -> StepStats | None:
+        """What the step whose results the last step() call read back computed; None when it read none."""
+        return None if self._landed is None else StepStats.of(self._landed)
+
     def step(self) -> list[RequestOutput]:
+        """One engine step; each touched request's output shaped by its output_kind (vLLM's meanings).
+        Use this or `step_deltas`, not both: the shaping accumulates the deltas it sees."""
+        return [o for parent, d in self._step() if (o := parent.outputs.add(d)) is not None]
+
+    def step_deltas(self) -> list[RequestDelta]:
+        """One engine step: what it added to each request it touched (new token ids, new text, new
+        logprobs, the finish); text that might start a stop string is held back."""
+        return [d for _, d in self._step()]
+
+    def _step(self) -> list[_Emitted]:
+        self._landed = None
         if self.cfg.async_scheduling:
             return self._step_async()
         out = self.scheduler.schedule()
@@ -218,13 +229,13 @@ class LLMEngine:
         touched = {s.req for s in out.seqs}
         try:
             self._land(self._launch(out, None))
-            if self.prefix_cache is not None:
-                self.prefix_cache.after_step(out)
+            self.kv.cache_blocks(out)
         except Exception as e:  # a bug or bad state in one step must not take the engine down
             return self._fail_step(touched, e)
-        return self._outputs(touched)
+        self._landed = out
+        return self._deltas(touched)
 
-    def _step_async(self) -> list[RequestOutput]:
+    def _step_async(self) -> list[_Emitted]:
         """Launch step k+1 before reading back step k's tokens, so scheduling, input preparation and
         output processing on the host overlap the forward on the GPU (vLLM's async scheduling). Step
         k+1 reads step k's tokens on the device. A request that step k finishes has one more token
@@ -249,8 +260,7 @@ class LLMEngine:
             outputs += self._finish(prev)
         try:
             # queued behind this step's forward and before the next one's, with every computed id known
-            if self.prefix_cache is not None:
-                self.prefix_cache.after_step(out)
+            self.kv.cache_blocks(out)
         except Exception as e:
             return outputs + self._fail_step(touched, e)
         self._in_flight = launched
@@ -264,22 +274,19 @@ class LLMEngine:
 
     def _launch(self, out: SchedulerOutput, prev: _Launched | None) -> _Launched:
         """Run the forward and the sampler for `out` without reading anything back."""
-        if self.prefix_cache is not None:
-            self.prefix_cache.before_step(out)  # queued cache copies land before the forward reads them
+        self.kv.begin_step(out)  # queued cache copies land before the forward; its tokens count as computed
         pending = None
         if prev is not None and prev.result is not None:
             pending = PendingTokens(prev.result.token_ids, {r: j for j, r in enumerate(prev.reqs)})
         logits = self.runner.execute(out, pending)
         now = time.time()
         for s in out.seqs:
-            s.req.num_computed_tokens = s.end
-            s.req.fresh_state = False
-            if s.end >= s.req.num_prompt_tokens and not s.req.extra.get("prompt_counted"):
+            if s.end >= s.req.num_prompt_tokens and not s.req.prompt_counted:
                 # vLLM's prompt_tokens counts every prompt token once, cached or computed
-                s.req.extra["prompt_counted"] = True
+                s.req.prompt_counted = True
                 self.stats.prompt_tokens += s.req.num_prompt_tokens
                 self.stats.prompt_tokens_cached += s.req.num_cached_tokens
-                self.stats.prompt_tokens_external += s.req.extra.get("external_cached_tokens", 0)
+                self.stats.prompt_tokens_external += s.req.num_external_cached_tokens
         self._prompt_logprobs(out, logits.prompt_logits)
         reqs = [out.seqs[i].req for i in logits.sample_rows]
         result = self._sample_on_device(reqs, logits.logits) if reqs else None
@@ -292,36 +299,36 @@ class LLMEngine:
                                  "top_ids": result.top_token_ids, "top_lps": result.top_logprobs})
         return _Launched(out, reqs, result, now, readback)
 
-    def _finish(self, flight: _Launched) -> list[RequestOutput]:
+    def _finish(self, flight: _Launched) -> list[_Emitted]:
         touched = {s.req for s in flight.out.seqs}
         try:
             self._land(flight)
         except Exception as e:
             return self._fail_step(touched, e)
-        return self._outputs(touched)
+        self._landed = flight.out
+        return self._deltas(touched)
 
-    def _fail_step(self, touched: set[Request], error: Exception) -> list[RequestOutput]:
+    def _fail_step(self, touched: set[Request], error: Exception) -> list[_Emitted]:
         """Fail the step's requests and free their resources; the other requests go on."""
         log.exception("engine step failed; failing its %d requests", len(touched))
         for req in touched:
             if req.is_finished:
                 continue
             req.error = f"internal error in the engine step: {type(error).__name__}: {error}"
-            req.fresh_state = True  # its cache contents are suspect: never snapshot or register them
             self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
-        return self._outputs(touched)
+        return self._deltas(touched)
 
-    def _unschedulable(self) -> list[RequestOutput]:
+    def _unschedulable(self) -> list[_Emitted]:
         """Nothing fits even with an empty running set: fail the head request instead of hanging."""
         if self.scheduler.running or not self.scheduler.waiting:
             return []
         req = self.scheduler._next_waiting()
         req.error = (
             f"the request needs {-(-req.num_tokens // self.kv.block_size)} cache pages but the pool holds "
-            f"{self.kv.blocks.num_blocks}; raise the cache budget or shorten the prompt"
+            f"{self.kv.num_blocks}; raise the cache budget or shorten the prompt"
         )
         self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
-        return self._outputs({req})
+        return self._deltas({req})
 
     def _prompt_logprobs(self, out: SchedulerOutput, prompt_logits: dict[int, torch.Tensor]) -> None:
         for i, lg in prompt_logits.items():
@@ -371,27 +378,27 @@ class LLMEngine:
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             req.metrics.last_token_time = now
-            if req.logprobs is not None:
+            if req.output.new_logprobs is not None:
                 k = req.params.logprobs
                 row = logprob_dicts([tok], [lps[j]], [ranks[j]], [top_ids[j]] if top_ids else None,
                                     [top_lps[j]] if top_lps else None, [k])
-                req.logprobs.extend(self._decode_logprobs(row))
-            structured = req.extra.get("matcher")
-            if structured is not None:
-                structured.accept(tok)
-            req.extra["text"] += req.extra["detok"].step(tok)
-            self._check_stop(req, tok)
+                req.output.new_logprobs.extend(self._decode_logprobs(row))
+            if req.matcher is not None:
+                req.matcher.accept(tok)
+            req.output.text += req.output.detok.step(tok)
+            status = check_stop(req, tok, self.eos_token_ids, self.max_model_len)
+            if status is not None:
+                req.metrics.finished_time = time.time()
+                self.scheduler.finish(req, status)
 
     def _allowed_mask(self, reqs: list[Request], logits: torch.Tensor) -> torch.Tensor | None:
         """Structured outputs: rows whose request carries a grammar matcher get its allowed-token mask."""
-        rows = [(j, r) for j, r in enumerate(reqs) if r.params.structured is not None]
+        rows = [(j, r) for j, r in enumerate(reqs) if r.matcher is not None]
         if not rows:
             return None
         mask = torch.ones_like(logits, dtype=torch.bool)
         for j, r in rows:
-            if "matcher" not in r.extra:
-                r.extra["matcher"] = r.params.structured.new_matcher()
-            mask[j] = r.extra["matcher"].allowed_mask(logits.shape[1]).to(mask.device)
+            mask[j] = r.matcher.allowed_mask(logits.shape[1]).to(mask.device)
         return mask
 
     def _decode_logprobs(self, rows: list[dict[int, Logprob]]) -> list[dict[int, Logprob]]:
@@ -400,79 +407,24 @@ class LLMEngine:
                 lp.decoded_token = self.tokenizer.decode([tid], skip_special_tokens=False)
         return rows
 
-    def _check_stop(self, req: Request, tok: int) -> None:
-        p = req.params
-        status = None
-        if not p.ignore_eos and tok in self.eos_token_ids and len(req.output_token_ids) >= p.min_tokens:
-            status = RequestStatus.FINISHED_STOPPED
-        elif tok in (p.stop_token_ids or ()) and len(req.output_token_ids) >= p.min_tokens:
-            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tok
-        elif p.stop and len(req.output_token_ids) >= p.min_tokens and self._stop_string(req):
-            status = RequestStatus.FINISHED_STOPPED
-        elif len(req.output_token_ids) >= req.max_tokens or req.num_known_tokens >= self.max_model_len:
-            status = RequestStatus.FINISHED_LENGTH
-        if status is not None:
-            if not isinstance(req.stop_reason, str):  # a stop string already cut the text
-                req.extra["text"] += req.extra["detok"].finish()
-            req.metrics.finished_time = time.time()
-            self.scheduler.finish(req, status)
-
-    def _stop_string(self, req: Request) -> bool:
-        text = req.extra["text"]
-        window = max(len(s) for s in req.params.stop) + 8
-        # a stop string can only end inside the newest text: search a bounded tail, not the whole output
-        tail_start = max(0, len(text) - window - 64)
-        best = None
-        for s in req.params.stop:
-            i = text.find(s, tail_start)
-            if i >= 0 and (best is None or i < best[0]):
-                best = (i, s)
-        if best is None:
-            return False
-        i, s = best
-        req.extra["text"] = text[: i + len(s)] if req.params.include_stop_str_in_output else text[:i]
-        req.stop_reason = s
-        return True
-
     # ---- outputs ---------------------------------------------------------------------------------
-    def _outputs(self, touched: set[Request]) -> list[RequestOutput]:
+    def _deltas(self, touched: set[Request]) -> list[_Emitted]:
+        """Each touched request's delta; a finished request leaves the engine with it."""
         seen, outs = set(), []
         for req in touched:
-            rid = req.extra["parent"]
-            if rid in seen or rid not in self.parents:
+            rid = req.parent_id
+            parent = self.parents.get(rid)
+            if parent is None or rid in seen:
                 continue
             seen.add(rid)
-            parent = self.parents[rid]
-            finished = all(c.is_finished for c in parent.children)
-            if not finished and req.params.output_kind == RequestOutputKind.FINAL_ONLY:
-                continue
-            outs.append(self.make_output(parent))
-            if finished:
-                del self.parents[rid]
+            d = parent.delta()
+            if d is not None:
+                outs.append((parent, d))
+                if d.finished:
+                    del self.parents[rid]
         self.stats.num_running = len(self.scheduler.running)
         self.stats.num_waiting = len(self.scheduler.waiting)
         self.stats.kv_cache_usage = self.kv.usage
         self.stats.num_preemptions = self.scheduler.num_preemptions
-        if self.prefix_cache is not None:
-            self.stats.prefix_cache_queries = self.prefix_cache.queries
-            self.stats.prefix_cache_hits = self.prefix_cache.hits
+        self.stats.prefix_cache_queries, self.stats.prefix_cache_hits = self.kv.prefix_stats
         return outs
-
-    def make_output(self, parent: _Parent) -> RequestOutput:
-        comps = []
-        for c in parent.children:
-            fin = c.status.value if c.is_finished else None
-            comps.append(CompletionOutput(
-                index=c.extra["index"], text=c.extra["text"], token_ids=list(c.output_token_ids),
-                cumulative_logprob=c.cumulative_logprob if c.params.logprobs is not None else None,
-                logprobs=c.logprobs, finish_reason=fin, stop_reason=c.stop_reason,
-            ))
-        first = parent.children[0]
-        out = RequestOutput(
-            request_id=parent.request_id, prompt=parent.prompt, prompt_token_ids=parent.prompt_token_ids,
-            prompt_logprobs=first.prompt_logprobs, outputs=comps,
-            finished=all(c.is_finished for c in parent.children), metrics=first.metrics,
-            num_cached_tokens=first.num_cached_tokens,
-        )
-        out.error = next((c.error for c in parent.children if c.error), None)
-        return out

@@ -1,4 +1,5 @@
-"""The CPU tier of the prefix cache (DESIGN.md §5): pages and KDA checkpoints evicted from the GPU pools.
+"""The CPU tier of the prefix cache (docs/ARCHITECTURE.md, "Prefix cache"): pages and KDA checkpoints
+evicted from the GPU pools.
 
 Pages are keyed by their chain hash; checkpoints by (prefix hash, position) and indexed by the hash of
 their full pages (`base`) like the GPU checkpoints, so one lookup walk sees both tiers. Storage is
@@ -31,6 +32,15 @@ class CpuCheckpoint:
     row: int
     has_tail: bool
     flops_saved: float
+
+
+def unindex(ckpts: dict, by_base: dict, c) -> None:
+    """Take checkpoint `c` out of a tier's two indexes: by key, and by the hash of its full pages."""
+    del ckpts[c.key]
+    group = by_base[c.base]
+    del group[c.key]
+    if not group:
+        del by_base[c.base]
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -148,11 +158,7 @@ class CpuTier:
                 store.index_copy_(0, dst, d[torch.tensor(tail_src, device=d.device)].to("cpu"))
 
     def _drop_checkpoint(self, c: CpuCheckpoint) -> None:
-        del self.ckpts[c.key]
-        group = self.by_base[c.base]
-        del group[c.key]
-        if not group:
-            del self.by_base[c.base]
+        unindex(self.ckpts, self.by_base, c)
         self.free_ckpt_rows.append(c.row)
 
     def read_checkpoint(self, c: CpuCheckpoint) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor] | None]:

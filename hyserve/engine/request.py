@@ -1,15 +1,24 @@
-"""A request inside the engine: its tokens, progress, cache resources and sampling state."""
+"""A request inside the engine: its tokens, progress, cache resources and sampling state.
+
+Each field group has one writer: the cache manager (block table, computed tokens, state slot), the
+engine loop (outputs, pending tokens, stats), the output side (`output`, engine/output_processor.py).
+"""
 
 from __future__ import annotations
 
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from hyserve.outputs import Logprob, RequestMetrics
 from hyserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from hyserve.engine.output_processor import CompletionState
+    from hyserve.engine.structured import StructuredMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -23,7 +32,10 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort", "error")
+        return self._value_ in _FINISHED  # not .value: a descriptor call, on the per-token path
+
+
+_FINISHED = frozenset({"stop", "length", "abort", "error"})
 
 
 @dataclass(eq=False)  # identity semantics: requests live in sets and queues
@@ -38,29 +50,31 @@ class Request:
     prompt: str | None = None
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
     # tokens sampled on the device but not yet read back (async scheduling: at most one per launched step)
     num_pending: int = 0
+    # written by the cache manager (kv_cache.KVCacheManager) alone
+    num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     state_slot: int | None = None
     fresh_state: bool = True  # the next forward starts from a zero KDA state
+    num_cached_tokens: int = 0  # prompt tokens the prefix hit skipped
+    num_external_cached_tokens: int = 0  # of those, restored from the CPU tier
     generator: torch.Generator | None = None
     cumulative_logprob: float = 0.0
-    logprobs: list[dict[int, Logprob]] | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
     num_preemptions: int = 0
     error: str | None = None
     metrics: RequestMetrics = None  # type: ignore[assignment]
-    # per-request engine extras (prefix-cache bookkeeping, detokenizer, ...)
-    extra: dict = field(default_factory=dict)
+    parent_id: str = ""  # the user's request id (n > 1 fans one out into n of these)
+    index: int = 0  # which of the parent's n completions
+    output: CompletionState | None = None  # text, stop holdback and what was sent
+    matcher: StructuredMatcher | None = None  # structured outputs: the grammar state
+    prompt_counted: bool = False  # its prompt is in EngineStats.prompt_tokens
 
     def __post_init__(self) -> None:
         if self.metrics is None:
             self.metrics = RequestMetrics(arrival_time=self.arrival_time)
-        if self.params.logprobs is not None:
-            self.logprobs = []
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,7 +1,7 @@
 """Batched sampling: one row of logits per sampled position in, one token per row out.
 
-Processing order (spec/serving.md §3): allowed-token mask (structured outputs) -> logit bias and
-min-token masks -> penalties -> temperature -> min-p -> top-k/top-p -> draw.
+Processing order (docs/ARCHITECTURE.md, "Sampling"): allowed-token mask (structured outputs) ->
+logit bias and min-token masks -> penalties -> temperature -> min-p -> top-k/top-p -> draw.
 
 Logprobs follow vLLM's default ("raw logprobs"): they are the log-softmax of the model's logits after
 only the structured-output mask, so they describe the model, not the sampling settings. Ranks are
@@ -100,76 +100,74 @@ class SamplingMetadata:
         n = len(params)
         if not (len(output_token_ids) == len(prompt_token_ids) == len(generators) == n):
             raise ValueError("params, output_token_ids, prompt_token_ids and generators must align")
-
         greedy = [p.is_greedy for p in params]
-        temperature = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
-
-        def tensor_if(values: list, off, dtype: torch.dtype) -> Tensor | None:
-            if all(v == off for v in values):
-                return None
-            return to_device(values, dtype, device)
-
+        all_greedy = all(greedy)
         penalised = any(p.has_penalties for p in params)
         repetition = any(p.repetition_penalty != 1.0 for p in params)
+        bias, masked = _bias_and_min_tokens(params, output_token_ids, eos_token_ids, vocab_size)
 
-        bias_rows, bias_ids, bias_values = [], [], []
-        masked_rows, masked_ids = [], []
-        for i, p in enumerate(params):
-            for token, value in (p.logit_bias or {}).items():
-                if vocab_size is not None and token >= vocab_size:
-                    raise ValueError(f"logit_bias token id {token} is out of range (vocab size {vocab_size})")
-                bias_rows.append(i)
-                bias_ids.append(token)
-                bias_values.append(value)
-            if len(output_token_ids[i]) < p.min_tokens:
-                stops = set(p.stop_token_ids or ())
-                if not p.ignore_eos:
-                    stops.update(eos_token_ids)
-                masked_rows.extend([i] * len(stops))
-                masked_ids.extend(sorted(stops))
+        def floats(values: list) -> Tensor:
+            return to_device(values, torch.float32, device)
 
-        row_generators: dict[int, torch.Generator] = {}
-        for i, (p, g) in enumerate(zip(params, generators)):
-            if p.sampling_type == SamplingType.RANDOM_SEED and g is None:
-                raise ValueError(f"row {i} has seed={p.seed} but no generator")
-            if g is not None and not greedy[i]:
-                row_generators[i] = g
+        def tensor_if(values: list, off, dtype: torch.dtype) -> Tensor | None:
+            return None if all(v == off for v in values) else to_device(values, dtype, device)
 
         def long_or_none(values: list[int]) -> Tensor | None:
             return to_device(values, torch.long, device) if values else None
 
         sampled_k = [p.top_k for p, g in zip(params, greedy) if not g]
         logprob_counts = [p.logprobs for p in params if p.logprobs is not None]
-        all_greedy = all(greedy)
         return cls(
-            temperature=None if all_greedy else to_device(temperature, torch.float32, device),
+            temperature=None if all_greedy else floats([1.0 if g else p.temperature for p, g in zip(params, greedy)]),
             is_greedy=None if all_greedy else to_device(greedy, torch.bool, device),
             all_greedy=all_greedy,
             top_k=tensor_if([p.top_k for p in params], 0, torch.long),
             max_top_k=max(sampled_k) if sampled_k and all(sampled_k) else None,
             top_p=tensor_if([p.top_p for p in params], 1.0, torch.float32),
             min_p=tensor_if([p.min_p for p in params], 0.0, torch.float32),
-            presence_penalty=(
-                to_device([p.presence_penalty for p in params], torch.float32, device) if penalised else None
-            ),
-            frequency_penalty=(
-                to_device([p.frequency_penalty for p in params], torch.float32, device) if penalised else None
-            ),
-            repetition_penalty=(
-                to_device([p.repetition_penalty for p in params], torch.float32, device) if penalised else None
-            ),
+            presence_penalty=floats([p.presence_penalty for p in params]) if penalised else None,
+            frequency_penalty=floats([p.frequency_penalty for p in params]) if penalised else None,
+            repetition_penalty=floats([p.repetition_penalty for p in params]) if penalised else None,
             output_token_ids=_padded(output_token_ids, device) if penalised else None,
             prompt_token_ids=_padded(prompt_token_ids, device) if repetition else None,
-            bias_rows=long_or_none(bias_rows),
-            bias_token_ids=long_or_none(bias_ids),
-            bias_values=(
-                to_device(bias_values, torch.float32, device) if bias_values else None
-            ),
-            masked_rows=long_or_none(masked_rows),
-            masked_token_ids=long_or_none(masked_ids),
-            generators=row_generators,
+            bias_rows=long_or_none(bias[0]),
+            bias_token_ids=long_or_none(bias[1]),
+            bias_values=floats(bias[2]) if bias[2] else None,
+            masked_rows=long_or_none(masked[0]),
+            masked_token_ids=long_or_none(masked[1]),
+            generators=_row_generators(params, generators, greedy),
             max_num_logprobs=max(logprob_counts) if logprob_counts else None,
         )
+
+
+def _bias_and_min_tokens(params, output_token_ids, eos_token_ids, vocab_size):
+    """((rows, token ids, values) of logit_bias, (rows, token ids) masked until min_tokens is reached)."""
+    bias: tuple[list, list, list] = ([], [], [])
+    masked: tuple[list, list] = ([], [])
+    for i, p in enumerate(params):
+        for token, value in (p.logit_bias or {}).items():
+            if vocab_size is not None and token >= vocab_size:
+                raise ValueError(f"logit_bias token id {token} is out of range (vocab size {vocab_size})")
+            bias[0].append(i)
+            bias[1].append(token)
+            bias[2].append(value)
+        if len(output_token_ids[i]) < p.min_tokens:
+            stops = set(p.stop_token_ids or ())
+            if not p.ignore_eos:
+                stops.update(eos_token_ids)
+            masked[0].extend([i] * len(stops))
+            masked[1].extend(sorted(stops))
+    return bias, masked
+
+
+def _row_generators(params, generators, greedy) -> dict[int, torch.Generator]:
+    rows: dict[int, torch.Generator] = {}
+    for i, (p, g) in enumerate(zip(params, generators)):
+        if p.sampling_type == SamplingType.RANDOM_SEED and g is None:
+            raise ValueError(f"row {i} has seed={p.seed} but no generator")
+        if g is not None and not greedy[i]:
+            rows[i] = g
+    return rows
 
 
 @dataclass

@@ -1,8 +1,9 @@
-"""One token budget per step, no prefill/decode phases (DESIGN.md §3).
+"""One token budget per step, no prefill/decode phases (docs/ARCHITECTURE.md, "Scheduler").
 
 Running requests are served first (a decode is one token; an unfinished prefill continues in chunks),
 then waiting ones in FCFS or priority order. When pages run out, the latest arrival among the running
 requests is preempted by recompute: it frees everything and goes back to the front of the queue.
+Pages, slots and prefix hits come from the cache manager alone.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ class ScheduledSeq:
     req: Request
     num_new_tokens: int
     start: int  # req.num_computed_tokens when scheduled
+    fresh: bool = True  # the chunk starts from a zero KDA state (req.fresh_state when scheduled)
 
     @property
     def end(self) -> int:
@@ -42,8 +44,8 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, kv: KVCacheManager, prefix_cache=None):
-        self.cfg, self.kv, self.prefix_cache = cfg, kv, prefix_cache
+    def __init__(self, cfg: EngineConfig, kv: KVCacheManager):
+        self.cfg, self.kv = cfg, kv
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -64,9 +66,8 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = status
-        if self.prefix_cache is not None:
-            self.prefix_cache.on_finish(req)
-        self.kv.free(req)
+        # a failed step leaves the request's cache contents suspect: the prefix cache keeps none of them
+        self.kv.free(req, cache=status is not RequestStatus.FINISHED_ERROR)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -82,55 +83,34 @@ class Scheduler:
                 continue
             if len(req.output_token_ids) + req.num_pending >= req.max_tokens:
                 continue  # async scheduling: its last token is still on the device; it ends when that lands
-            n = self._chunk(req, budget)
-            while not self._allocate(req, req.num_computed_tokens + n):
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not (granted := self.kv.allocate_slots(req, n)):
                 victim = self._victim()
                 self._preempt(victim, out)
                 budget = self.cfg.max_num_batched_tokens - out.num_tokens
                 if victim is req:
                     break
             else:
-                out.seqs.append(ScheduledSeq(req, n, req.num_computed_tokens))
-                budget -= n
+                out.seqs.append(ScheduledSeq(req, granted, req.num_computed_tokens, req.fresh_state))
+                budget -= granted
         if out.preempted:
             return out  # memory is short: admit nothing new this step
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self._next_waiting()
             if req.num_pending:  # preempted with a token in flight: its prefill needs that token's id
                 break
-            if not self.kv.allocate_slot(req):
-                break
-            if req.num_computed_tokens == 0 and self.prefix_cache is not None:
-                self.prefix_cache.on_admit(req)
-            n = self._chunk(req, budget)
-            if not self._allocate(req, req.num_computed_tokens + n):
-                if self.prefix_cache is not None:
-                    self.prefix_cache.on_admit_failed(req)
-                self.kv.free(req)
-                req.num_computed_tokens = 0
+            hit = self.kv.get_computed_tokens(req)
+            n = self.kv.allocate_slots(req, min(req.num_tokens - hit.num_tokens, budget), hit)
+            if not n:
                 break
             self.waiting.remove(req)
             self.running.append(req)
             req.status = RequestStatus.RUNNING
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = time.time()
-            out.seqs.append(ScheduledSeq(req, n, req.num_computed_tokens))
+            out.seqs.append(ScheduledSeq(req, n, req.num_computed_tokens, req.fresh_state))
             budget -= n
         return out
-
-    def _allocate(self, req: Request, num_tokens: int) -> bool:
-        """Pages pinned by prefix checkpoints are cache, not work: release them before giving up, or a
-        small pool preempts (and finally fails) requests while checkpoints hold its pages."""
-        while not self.kv.allocate(req, num_tokens):
-            if self.prefix_cache is None or not self.prefix_cache.release_pinned_page():
-                return False
-        return True
-
-    def _chunk(self, req: Request, budget: int) -> int:
-        n = min(req.num_tokens - req.num_computed_tokens, budget)
-        if self.prefix_cache is not None:
-            n = self.prefix_cache.limit_chunk(req, n)
-        return n
 
     def _victim(self) -> Request:
         if self.cfg.scheduling_policy == "priority":
@@ -140,11 +120,7 @@ class Scheduler:
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
         out.seqs = [s for s in out.seqs if s.req is not req]
-        if self.prefix_cache is not None:
-            self.prefix_cache.on_finish(req)
         self.kv.free(req)
-        req.num_computed_tokens = 0
-        req.fresh_state = True
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1

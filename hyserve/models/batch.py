@@ -62,6 +62,9 @@ class Batch:
     slot_mapping: torch.Tensor  # [T] long: block * block_size + offset of each new token
     state_slots: torch.Tensor  # [N] long
     fresh_state: torch.Tensor  # [N] bool: start from a zero KDA state (slot contents ignored)
+    # context_lens on the device, built once per step (GPU kernels read it; every MLA layer building its
+    # own would cost a host-to-device copy per layer)
+    context_lens_device: torch.Tensor  # [N] long
 
     @property
     def num_seqs(self) -> int:
@@ -70,12 +73,6 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         return int(sum(self.query_lens))
-
-    @functools.cached_property
-    def context_lens_device(self) -> torch.Tensor:
-        """context_lens on the batch's device, built once per step (GPU kernels read it; every MLA
-        layer building its own would cost a host-to-device copy per layer)."""
-        return to_device(self.context_lens, torch.long, self.cu_seqlens.device)
 
     @functools.cached_property
     def prefill_cu(self) -> tuple[list[int], torch.Tensor, torch.Tensor]:
@@ -125,4 +122,5 @@ class Batch:
             slot_mapping=host_to_device(slot_mapping, dev),
             state_slots=to_device(state_slots, torch.long, dev),
             fresh_state=to_device(fresh_state, torch.bool, dev),
+            context_lens_device=host_to_device(ctx, dev),
         )

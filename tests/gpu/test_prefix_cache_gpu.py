@@ -41,14 +41,14 @@ def test_cpu_tier_round_trip_on_cuda_gives_identical_outputs(model):
     ref = _generate(_engine(model, enable_prefix_caching=False), cont, "ref")
     engine = _engine(model, num_checkpoint_slots=1, num_gpu_blocks=20, prefix_cache_second_hit=False,
                      prefix_cache_end_of_generation=False, cpu_offload_bytes=8 << 20)
-    pc = engine.prefix_cache
+    pc = engine.kv.prefix
     assert pc.cpu.pages[0].is_pinned()
     _generate(engine, prompt, "a")
     _generate(engine, other, "b")
     hit = _generate(engine, cont, "c")
     assert hit.num_cached_tokens == 149 and pc.cpu_hits == 149 and pc.cpu.pages_in > 0
     assert hit.outputs[0].token_ids == ref.outputs[0].token_ids
-    engine.kv.check_empty(pinned_blocks=pc.pinned_blocks)
+    engine.kv.check_empty()
 
 
 def test_multi_turn_outputs_match_with_the_cache_off_on_cuda(model):

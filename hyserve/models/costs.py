@@ -1,6 +1,6 @@
-"""Prefill FLOPs of a token prefix from the model's real per-layer shapes (spec/serving.md §7, Marconi).
+"""Prefill FLOPs of a token prefix from the model's real per-layer shapes (Marconi).
 
-Checkpoint eviction ranks a checkpoint by the compute it saves per byte it holds. The absolute scale does
+The prefix cache's checkpoint eviction (engine/checkpoints.py) ranks a checkpoint by the compute it saves per byte it holds. The absolute scale does
 not matter (scores are min-max normalized), but the *shape* does: linear layers cost the same per token,
 while MLA (and the DSA indexer) cost grows with the context, so a deep checkpoint saves superlinearly more
 than a shallow one. Counting 2 FLOPs per multiply-add.

@@ -1,0 +1,209 @@
+"""One step's model inputs, built once on the host by `build_step_inputs` (docs/ARCHITECTURE.md, "Step
+inputs").
+
+Everything the host knows about a step goes into ONE int64 buffer (pinned when bound for CUDA), so it
+reaches the device in one non-blocking copy:
+
+    tokens [4, T]    input ids (0 where the id is still on the device), positions, slot mapping, id sources
+    seqs   [2, N]    context lens, state slots
+    cu     [N + 1]   cu_seqlens
+    logits [S]       the index of each sampling sequence's last token
+    fresh  [N] bool  bytes of the buffer's words, padded to 8 bytes
+    tables [N, W]    block tables, -1 past each row's blocks (last: a wide table can travel on its own)
+
+each row starting 16-byte aligned.
+
+Ids sampled by the step before and not read back yet (async scheduling) stay on the device: the forward
+gathers token t's id from `[previous step's ids | ids row]` at its source index (prev_len + t where the
+host knew the id), one kernel and no host round trip. An eager step uses views of the device copy
+directly; a CUDA-graph replay copies the buffer into its static region of the same layout
+(engine/cuda_graphs.py), padded with rows that write only the scratch page and slot.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hyserve.engine.request import Request
+from hyserve.engine.scheduler import ScheduledSeq
+from hyserve.models.batch import Batch, to_device
+
+
+@dataclass
+class PendingTokens:
+    """The step before's sampled token ids, still on the device (async scheduling): row `rows[req]` of
+    `token_ids` is the token at req's last position."""
+
+    token_ids: torch.Tensor  # [M] long
+    rows: dict[Request, int]
+
+    def only(self, reqs: list[Request]) -> PendingTokens:
+        """The rows of `reqs` alone, gathered on the device and renumbered."""
+        keep = [r for r in reqs if r in self.rows]
+        idx = to_device([self.rows[r] for r in keep], torch.long, self.token_ids.device)
+        return PendingTokens(self.token_ids[idx], {r: k for k, r in enumerate(keep)})
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    num_tokens: int
+    num_seqs: int
+    num_sampled: int
+    width: int  # block-table columns
+
+    @functools.cached_property
+    def offsets(self) -> list[int]:
+        """Where each row starts, then the total: 16-byte aligned, so the alignment Triton specializes
+        kernels on never changes with the step's sizes (a change would compile another variant)."""
+        t, n = self.num_tokens, self.num_seqs
+        out, at = [], 0
+        for k in (t, t, t, t, n, n, n + 1, self.num_sampled, -(-n // 8), n * self.width):
+            out.append(at)
+            at += k + (k & 1)
+        return out + [at]
+
+    @property
+    def table_offset(self) -> int:
+        return self.offsets[9]
+
+    @property
+    def words(self) -> int:
+        return self.offsets[10]
+
+    def views(self, flat) -> StepViews:
+        """The named rows of `flat` (a torch tensor or a numpy array of this layout)."""
+        t, n, o = self.num_tokens, self.num_seqs, self.offsets
+        ids, pos, slot, src = (flat[o[i] : o[i] + t] for i in range(4))
+        fresh = flat[o[8] : o[9]].view(torch.bool if isinstance(flat, torch.Tensor) else np.bool_)[:n]
+        return StepViews(ids, pos, slot, src, flat[o[4] : o[4] + n], flat[o[5] : o[5] + n], flat[o[6] : o[6] + n + 1],
+                         flat[o[7] : o[7] + self.num_sampled], fresh,
+                         flat[o[9] : o[9] + n * self.width].reshape(n, self.width))
+
+
+@dataclass
+class StepViews:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    id_sources: torch.Tensor
+    context_lens: torch.Tensor
+    state_slots: torch.Tensor
+    cu_seqlens: torch.Tensor
+    logits_indices: torch.Tensor
+    fresh_state: torch.Tensor
+    block_tables: torch.Tensor
+
+    def batch(self, query_lens: list[int], context_lens: list[int]) -> Batch:
+        return Batch(query_lens, context_lens, self.cu_seqlens, self.positions, self.block_tables, self.slot_mapping,
+                     self.state_slots, self.fresh_state, context_lens_device=self.context_lens)
+
+
+@dataclass
+class StepInputs:
+    flat: torch.Tensor  # the packed host buffer
+    layout: StepLayout
+    query_lens: list[int]  # the real rows' (no padding)
+    context_lens: list[int]
+    sample_rows: list[int]  # indices into the step's seqs of the sequences that sample a token
+    pending: bool  # some id comes from the previous step's device tensor
+
+
+@dataclass(frozen=True)
+class Padding:
+    """Pad a decode step to `rows` rows that decode token 0 at position 0 into the scratch page and slot."""
+
+    rows: int
+    scratch_block: int
+    scratch_slot: int
+
+
+def _known_ids(req: Request, start: int, end: int) -> list[int]:
+    """Token ids start..end-1 the host knows (a pending last one is left out); all_token_ids would
+    concatenate the whole sequence for every row of every step."""
+    prompt, n = req.prompt_token_ids, req.num_prompt_tokens
+    if end <= n:
+        return prompt[start:end]
+    if start >= n:
+        return req.output_token_ids[start - n : end - n]
+    return prompt[start:] + req.output_token_ids[: end - n]
+
+
+class _Rows:
+    """One python pass over a step's sequences: what the vectorized filling needs of each."""
+
+    def __init__(self, seqs: list[ScheduledSeq]):
+        self.q, self.ctx, self.tables, self.slots, self.fresh, self.rows, self.ids = [], [], [], [], [], [], []
+        self.pending: list[tuple[int, Request]] = []  # (token index, request) of ids still on the device
+        at = 0
+        for i, s in enumerate(seqs):
+            req, k, start = s.req, s.num_new_tokens, s.start
+            end, prompt, outs = start + k, req.prompt_token_ids, req.output_token_ids
+            known = len(prompt) + len(outs)
+            if k == 1:  # a decode (the common row): its one id, 0 as a pending token's placeholder
+                self.ids.append(0 if start >= known else prompt[start] if start < len(prompt) else outs[start - len(prompt)])
+            else:
+                chunk = _known_ids(req, start, end)
+                self.ids += chunk + [0] * (k - len(chunk))
+            at += k
+            if end > known:
+                if end != known + 1:
+                    raise RuntimeError(f"request {req.request_id}: a scheduled token's id is not known")
+                self.pending.append((at - 1, req))
+            if end == known + req.num_pending:  # the chunk reaches the last token: it samples
+                self.rows.append(i)
+            self.q.append(k)
+            self.ctx.append(end)
+            self.tables.append(req.block_ids)
+            self.slots.append(req.state_slot)
+            self.fresh.append(s.fresh)
+        self.num_tokens = at
+
+
+def build_step_inputs(seqs: list[ScheduledSeq], block_size: int, pending: PendingTokens | None = None, *,
+                      pad: Padding | None = None, width: int | None = None, prev_len: int | None = None,
+                      sampled: bool = True, pin: bool = False) -> StepInputs:
+    """The inputs of a step of `seqs`. `pad`: rows added past the real ones (CUDA graphs); `width`: table
+    columns (default the longest table); `prev_len`: the previous ids' length in the gather pool (default
+    pending's); `sampled`: lay out the logits gather indices; `pin`: a pinned buffer (bound for CUDA)."""
+    r, m = _Rows(seqs), len(seqs)
+    n = pad.rows if pad is not None else m
+    t = n if pad is not None else r.num_tokens
+    w = width or max(map(len, r.tables), default=1) or 1
+    layout = StepLayout(t, n, len(r.rows) if sampled else 0, w)
+    flat = torch.empty(layout.words, dtype=torch.long, pin_memory=pin)
+    v = layout.views(flat.numpy())
+    v.block_tables.fill(-1)
+    lens = np.fromiter(map(len, r.tables), dtype=np.int64, count=m)
+    v.block_tables[:m][np.arange(w) < lens[:, None]] = np.fromiter(
+        (b for tb in r.tables for b in tb), dtype=np.int64, count=int(lens.sum()))
+    v.context_lens[:m], v.state_slots[:m], v.fresh_state[:m] = r.ctx, r.slots, r.fresh
+    v.cu_seqlens[0] = 0
+    np.cumsum(r.q, out=v.cu_seqlens[1 : m + 1])
+    v.input_ids[: r.num_tokens] = r.ids
+    if r.num_tokens == m:  # decode: a token per row
+        pos, seq_of = v.context_lens[:m] - 1, np.arange(m)
+    else:
+        qa = np.asarray(r.q, dtype=np.int64)
+        seq_of = np.repeat(np.arange(m), qa)
+        pos = np.repeat(v.context_lens[:m] - qa - v.cu_seqlens[:m], qa) + np.arange(r.num_tokens)
+    v.positions[: r.num_tokens] = pos
+    v.slot_mapping[: r.num_tokens] = v.block_tables[seq_of, pos // block_size] * block_size + pos % block_size
+    if sampled:
+        v.logits_indices[:] = v.cu_seqlens[1:][r.rows] - 1
+    if pad is not None:  # decode steps only: one token per row
+        v.context_lens[m:], v.state_slots[m:], v.fresh_state[m:] = 1, pad.scratch_slot, True
+        v.input_ids[m:], v.positions[m:], v.slot_mapping[m:] = 0, 0, pad.scratch_block * block_size
+        v.cu_seqlens[m + 1 :] = np.arange(m + 1, n + 1)
+        v.block_tables[m:, 0] = pad.scratch_block
+    if prev_len is None:
+        prev_len = pending.token_ids.numel() if pending is not None else 0
+    v.id_sources[:] = np.arange(prev_len, prev_len + t)
+    for at, req in r.pending:  # its id is the previous step's sampled token, still on the device
+        if pending is None or req not in pending.rows:
+            raise RuntimeError(f"request {req.request_id}: a scheduled token's id is not known")
+        v.id_sources[at] = pending.rows[req]
+    return StepInputs(flat, layout, r.q, r.ctx, r.rows, bool(r.pending))
