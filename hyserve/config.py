@@ -24,6 +24,9 @@ class EngineConfig:
     dtype: str = "auto"
     device: str | None = None  # None: cuda when available, else cpu
     seed: int = 0
+    # how weights are read (vLLM's names): auto = safetensors for a directory, dummy (random weights at
+    # the config's shape) for a preset; fastsafetensors needs the optional fastsafetensors package
+    load_format: str = "auto"
     tokenizer: str | None = None
     served_model_name: str | None = None
     # scheduler
@@ -64,5 +67,21 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be fcfs or priority, got '{self.scheduling_policy}'")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        _check_load_format(self.load_format)
         if self.prefix_cache_retention_interval < 0:
             raise ValueError("prefix_cache_retention_interval must be >= 0")
+
+
+LOAD_FORMATS = ("auto", "safetensors", "fastsafetensors", "dummy")
+FASTSAFETENSORS_HINT = "pip install fastsafetensors (or hyserve[fastsafetensors])"
+
+
+def _check_load_format(fmt: str) -> None:
+    """Before any process starts or torch is imported: a bad name, or fastsafetensors not installed."""
+    if fmt not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got '{fmt}'")
+    if fmt == "fastsafetensors":
+        import importlib.util
+
+        if importlib.util.find_spec("fastsafetensors") is None:
+            raise ValueError(f"load_format fastsafetensors needs the fastsafetensors package: {FASTSAFETENSORS_HINT}")

@@ -27,7 +27,7 @@ from hyserve.engine.scheduler import Scheduler, SchedulerOutput
 from hyserve.models.loader import load_model, resolve_dtype
 from hyserve.outputs import CompletionOutput, Logprob, RequestOutput
 from hyserve.sampling_params import RequestOutputKind, SamplingParams
-from hyserve.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+from hyserve.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer, tokenizer_source
 
 log = logging.getLogger(__name__)
 
@@ -83,13 +83,14 @@ class LLMEngine:
         self.cfg = cfg
         device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
         torch.manual_seed(cfg.seed)
-        self.model = model if model is not None else load_model(cfg.model, dtype=cfg.dtype, device=device, seed=cfg.seed)
+        self.model = model if model is not None else load_model(
+            cfg.model, dtype=cfg.dtype, device=device, seed=cfg.seed, load_format=cfg.load_format)
         self.model_config = self.model.config
         self.device = self.model.device
         if cfg.async_scheduling is None:
             cfg.async_scheduling = self.device.type == "cuda"
         self.tokenizer = tokenizer or load_tokenizer(
-            cfg.tokenizer or (cfg.model if os.path.isdir(cfg.model) else None), self.model_config.tokenizer_family
+            tokenizer_source(cfg.model, cfg.tokenizer, cfg.load_format), self.model_config.tokenizer_family
         )
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(cfg.max_model_len or limit, limit)

@@ -7,10 +7,16 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from hyserve.config import LOAD_FORMATS
+
 GIB = 1 << 30
 
 
 def add_cache_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    p.add_argument("--load-format", choices=LOAD_FORMATS, default=None,
+                   help="how to read the weights: safetensors (streamed tensor by tensor), fastsafetensors "
+                        "(needs `pip install fastsafetensors`), dummy (random weights at the config's shape); "
+                        "default auto: safetensors for a directory, dummy for a preset")
     p.add_argument("--prefix-cache-retention-interval", type=int, default=None, metavar="N",
                    help="also keep a prefix-cache checkpoint every N tokens; 0 = off "
                         "(default: env HYSERVE_PREFIX_CACHE_RETENTION_INTERVAL, else 0)")
@@ -49,6 +55,8 @@ def cache_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             out[field] = value
     if getattr(args, "enforce_eager", None):
         out["enforce_eager"] = True
+    if getattr(args, "load_format", None) is not None:
+        out["load_format"] = args.load_format
     if getattr(args, "async_scheduling", None) is not None:
         out["async_scheduling"] = args.async_scheduling
     return out
