@@ -53,6 +53,8 @@ class EngineConfig:
     # launch step k+1 before reading back step k's tokens (vLLM's --async-scheduling); None: on for CUDA
     # devices (1.2x at batch 1, 1.26x at batch 64 on an H200), off elsewhere (a CPU step gains nothing)
     async_scheduling: bool | None = None
+    # the server's periodic stats line (hyserve/stats_logger.py); off with --disable-log-stats
+    disable_log_stats: bool = False
 
     def __post_init__(self) -> None:
         if self.prefix_cache_retention_interval is None:

@@ -44,6 +44,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=None,
                    help="priority: requests' `priority` field orders the waiting queue")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--disable-log-stats", action="store_true", default=None,
+                   help="no periodic stats line (throughput, running and waiting requests, KV cache usage, "
+                        "prefix-cache hit rate) in the log; default: every 10 s while busy")
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:

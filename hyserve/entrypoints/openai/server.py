@@ -77,7 +77,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     fields = ("model", "dtype", "device", "seed", "tokenizer", "served_model_name", "max_num_seqs",
               "max_num_batched_tokens", "max_model_len", "block_size", "gpu_memory_utilization", "kv_cache_dtype",
               "enable_prefix_caching", "prefix_cache_second_hit", "prefix_cache_end_of_generation",
-              "scheduling_policy")
+              "scheduling_policy", "disable_log_stats")
     kwargs = {f: getattr(args, f) for f in fields if getattr(args, f, None) is not None}
     return EngineConfig(**kwargs, **cache_config_kwargs(args))
 
