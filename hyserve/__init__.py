@@ -9,9 +9,13 @@ import dataclasses
 import itertools
 from collections.abc import Sequence
 
-from hyserve.config import DEFAULT_MODEL, EngineConfig
-from hyserve.outputs import CompletionOutput, Logprob, RequestOutput
-from hyserve.sampling_params import RequestOutputKind, SamplingParams
+from hyserve.compile_cache import configure_compile_caches
+
+configure_compile_caches()  # before Triton, fla-core or torch read their cache settings
+
+from hyserve.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
+from hyserve.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
+from hyserve.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "EngineConfig", "__version__"]

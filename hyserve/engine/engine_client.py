@@ -27,6 +27,7 @@ from hyserve.engine.engine_core import (
     engine_main,
 )
 from hyserve.sampling_params import SamplingParams
+from hyserve.startup import describe_startup, since_process_start
 from hyserve.stats_logger import LoggingStatLogger
 
 log = logging.getLogger(__name__)
@@ -110,6 +111,7 @@ class AsyncEngineClient:
         if msg[0] != "ready":
             raise EngineDeadError(f"the engine failed to start:\n{msg[1]}")
         self.info = msg[1]
+        log.info("engine %s", describe_startup(since_process_start(), self.info.get("startup", {})))
         if self.stat_logger is not None:
             self._stats_task = asyncio.create_task(self.stat_logger.run())
         self._reader = threading.Thread(target=self._read_loop, name="hyserve-engine-reader", daemon=True)

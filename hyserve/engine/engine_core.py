@@ -128,6 +128,7 @@ def engine_main(cfg: EngineConfig, in_q, out_q) -> None:
             "max_num_seqs": cfg.max_num_seqs,
             "cache_description": engine.cache_plan.describe(),
             "device": str(engine.device),
+            "startup": dict(engine.startup.phases),  # seconds per start-up phase, for the server's log
         }
     except Exception:
         out_q.put(("dead", traceback.format_exc()))

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hyserve import compile_cache
 from hyserve.config import EngineConfig
 from hyserve.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from hyserve.engine.kv_cache import KVCacheManager, plan_cache
@@ -27,6 +28,7 @@ from hyserve.engine.scheduler import Scheduler, SchedulerOutput
 from hyserve.models.loader import load_model, resolve_dtype
 from hyserve.outputs import CompletionOutput, Logprob, RequestOutput
 from hyserve.sampling_params import RequestOutputKind, SamplingParams
+from hyserve.startup import StartupClock, describe_startup, since_process_start
 from hyserve.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer, tokenizer_source
 
 log = logging.getLogger(__name__)
@@ -81,10 +83,12 @@ class LLMEngine:
         HYSERVE_CUDA_GRAPHS=0 turns them off too). True on the CPU runs decode steps through the same
         static, padded buffers without a graph: for tests of that path."""
         self.cfg = cfg
+        self.startup = StartupClock()
         device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
         torch.manual_seed(cfg.seed)
         self.model = model if model is not None else load_model(
             cfg.model, dtype=cfg.dtype, device=device, seed=cfg.seed, load_format=cfg.load_format)
+        self.startup.lap("load")
         self.model_config = self.model.config
         self.device = self.model.device
         if cfg.async_scheduling is None:
@@ -98,11 +102,13 @@ class LLMEngine:
         if cuda_graphs is None:
             allowed = os.environ.get("HYSERVE_CUDA_GRAPHS", "1") != "0"
             cuda_graphs = self.device.type == "cuda" and not cfg.enforce_eager and allowed
+        self.startup.lap()
         self.cache_plan = plan_cache(cfg, self.model, cache_dtype, self.max_model_len, scratch=cuda_graphs)
         log.info(self.cache_plan.describe())
         self.kv = KVCacheManager(self.model, self.cache_plan, cache_dtype)
         self.prefix_cache = self._make_prefix_cache()
         self.scheduler = Scheduler(cfg, self.kv, self.prefix_cache)
+        self.startup.lap("cache allocation")
         graphs = None
         if cuda_graphs:
             # a decode step has at most one token per sequence, so the token budget caps it too
@@ -110,6 +116,7 @@ class LLMEngine:
             # a step samples at most max_batch tokens: the next step reads them from the graphs' buffer
             graphs = DecodeGraphs(self.model, self.kv, self.max_model_len, graph_batch_sizes(max_batch), max_batch)
             graphs.capture()  # after the cache is allocated: graphs take what memory is left
+            self.startup.lap("graph capture")
         self.runner = ModelRunner(self.model, self.kv, graphs)
         self.sampler = Sampler()
         self.eos_token_ids = list(self.model_config.eos_token_ids) or [self.tokenizer.eos_token_id]
@@ -118,6 +125,9 @@ class LLMEngine:
         self.stats = EngineStats()
         self._in_flight: _Launched | None = None  # async scheduling: the step whose tokens are on the device
         self._stashed: list[RequestOutput] = []  # outputs of a step read back early (an abort)
+        log.info("engine %s; %.1f s after process start; %s",
+                 describe_startup(self.startup.elapsed(), self.startup.phases, "engine start"), since_process_start(),
+                 compile_cache.describe())
 
     def _make_prefix_cache(self):
         if not self.cfg.enable_prefix_caching:
