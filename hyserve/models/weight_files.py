@@ -66,5 +66,7 @@ def _fastsafetensors_file(file: str, device) -> Iterator[tuple[str, torch.Tensor
     with fastsafe_open(file, device=str(dev), nogds=True) as f:
         for key in f.keys():
             yield key, f.get_tensor(key)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()  # the copies out of the shard's buffer, before the buffer goes
     if dev.type == "cuda":
         torch.cuda.empty_cache()  # the shard's staging buffer: the cache planner sizes from free memory
