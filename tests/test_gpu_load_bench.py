@@ -3,25 +3,15 @@ preset, so the script the lead runs on the H200 is known to work end to end."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
-
-_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
+from bench_util import BENCHMARKS, load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(_DIR))  # gpu_common imports without CUDA
-    try:
-        spec = importlib.util.spec_from_file_location("gpu_load_bench", _DIR / "gpu_load.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(_DIR))
-    return mod
+    return load_benchmark("gpu_load")
 
 
 def test_the_cut_keeps_the_first_layers_and_their_kinds(bench):
@@ -35,12 +25,12 @@ def test_the_cut_keeps_the_first_layers_and_their_kinds(bench):
 
 def test_a_dry_run_writes_loads_from_disk_and_reports_the_bound(bench, tmp_path, capsys):
     directory = tmp_path / "ckpt"
-    sys.path.insert(0, str(_DIR))
+    sys.path.insert(0, str(BENCHMARKS))  # main() imports gpu_common for the report
     try:
         rc = bench.main(["--preset", "kimi-linear-tiny", "--layers", "3", "--device", "cpu", "--shard-gb", "0.0001",
                          "--modes", "write,disk", "--dir", str(directory), "--no-append"])
     finally:
-        sys.path.remove(str(_DIR))
+        sys.path.remove(str(BENCHMARKS))
     out = capsys.readouterr().out
     assert rc == 0, out[-3000:]
     row = next(line for line in out.splitlines() if line.startswith("| 3-layer directory | safetensors |"))
