@@ -116,6 +116,8 @@ def load_model(
             _random_weights(model, seed)
         else:
             load_tensors(model, iter_tensors(files, fmt, model.device))
+    if model.device.type == "cuda":
+        torch.cuda.empty_cache()  # conversion temporaries: the cache planner sizes the pool from free memory
     model.name_or_path = name_or_path
     model.load_report = meter.report
     log.info(meter.report.describe())
