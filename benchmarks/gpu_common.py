@@ -1,7 +1,7 @@
 # ruff: noqa: B023  (timing lambdas run inside the loop that binds them)
-"""Shared pieces of the GPU benchmarks: ceilings measured in the same run, timing, the 48B model with
-random weights drawn on the GPU, a filled cache, and the markdown report (appended to docs/BENCHMARKS.md
-and copied to $OUT when set)."""
+"""Shared pieces of the GPU benchmarks: ceilings measured in the same run, timing, a filled cache, and the
+markdown report (appended to docs/BENCHMARKS.md and copied to $OUT when set). Models come from the product
+loader (`load_model`, as `LLM(...)` and `hyserve serve` build them), engines from `LLM(...)`."""
 
 from __future__ import annotations
 
@@ -14,11 +14,6 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
-from hyserve.models.config import parse_config  # noqa: E402
-from hyserve.models.device_init import random_init_on_device  # noqa: E402
-from hyserve.models.loader import build_model  # noqa: E402
-from hyserve.models.presets import preset_config  # noqa: E402
 
 DATE = "2026-11-30"
 
@@ -84,20 +79,9 @@ def machine() -> str:
     return f"{p.name}, {p.multi_processor_count} SMs, torch {torch.__version__}"
 
 
-def load_48b(layers: int | None = None):
-    cfg = preset_config("kimi-linear-48b-a3b")
-    if layers is not None:
-        cfg["num_hidden_layers"] = layers
-    # bf16 as the default dtype while building: build_model allocates parameters in the default dtype
-    # before casting, and 49B fp32 parameters (196 GB) do not fit on one H200
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        model = build_model(parse_config(cfg), torch.bfloat16, "cuda")
-    finally:
-        torch.set_default_dtype(old)
-    random_init_on_device(model, seed=0)
-    return model.eval()
+# the preset: the real shape, random bf16 weights drawn on the GPU; loaded with the product loader
+# (`load_model(MODEL_48B, device="cuda")`), as `hyserve serve kimi-linear-48b-a3b` loads it
+MODEL_48B = "kimi-linear-48b-a3b"
 
 
 def fill_cache_(cache, gen: torch.Generator) -> None:
@@ -134,8 +118,8 @@ def active_params_per_token(cfg) -> float:
     return b["dense"] / 2 + n_moe * cfg.num_experts_per_tok * per_expert
 
 
-def report(title: str, command: str, table: list[str], notes: list[str], out_name: str) -> None:
-    text = "\n".join([f"\n## {title} ({DATE})", "", f"Machine: {machine()}. Command: `{command}`.", "", *table,
+def report(title: str, command: str, table: list[str], notes: list[str], out_name: str, date: str = DATE) -> None:
+    text = "\n".join([f"\n## {title} ({date})", "", f"Machine: {machine()}. Command: `{command}`.", "", *table,
                       "", *notes, ""])
     print(text)
     for target in [ROOT / "docs" / "BENCHMARKS.md"] + ([Path(os.environ["OUT"]) / out_name] if os.environ.get("OUT") else []):

@@ -7,9 +7,10 @@ import argparse
 import os
 
 import torch
-from gpu_common import ceilings, fill_cache_, load_48b, report, time_ms
+from gpu_common import MODEL_48B, ceilings, fill_cache_, report, time_ms
 
 from hyserve.models.batch import Batch
+from hyserve.models.loader import load_model
 
 CONFIGS = [(1, 1024), (8, 1024), (64, 1024), (256, 1024), (1, 32768), (8, 32768)]
 
@@ -73,7 +74,7 @@ def profile(step, path: str) -> str:
 
 def main(model=None, ceil=None, configs=CONFIGS) -> None:
     ceil = ceil or ceilings()
-    model = model or load_48b()
+    model = model or load_model(MODEL_48B, device="cuda")
     cfg = model.config
     rows = ["| batch | context | ms/step | tokens/s | bytes/step | achieved | floor | floor/time | CUDA graph ms/step | graph floor/time |",
             "|---|---|---|---|---|---|---|---|---|---|"]

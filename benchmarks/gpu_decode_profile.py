@@ -1,5 +1,6 @@
 """Where a decode step's GPU time goes: torch.profiler over decode-only engine steps of the
-kimi-linear-48b-a3b preset (random bf16 weights), eager and with CUDA graphs, at each batch size.
+kimi-linear-48b-a3b preset (random bf16 weights), eager and with CUDA graphs, at each batch size. Each
+(batch, mode) runs in its own engine as `LLM(...)` builds it (product loader, cache, graphs).
 
     python benchmarks/gpu_decode_profile.py                 # one H200; appends to docs/BENCHMARKS.md
     python benchmarks/gpu_decode_profile.py --batches 1 --no-append
@@ -13,27 +14,24 @@ largest kernels by GPU time: the per-kernel breakdown behind benchmarks/gpu_engi
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
 
 import torch
-from gpu_common import load_48b
+from gpu_common import MODEL_48B
 from torch.profiler import ProfilerActivity, profile
 
-from hyserve import SamplingParams
-from hyserve.config import EngineConfig
-from hyserve.engine.llm_engine import LLMEngine
-from hyserve.tokenizer import load_tokenizer
+from hyserve import LLM, SamplingParams
 
 PROMPT, STEPS = 512, 10
 
 
-def profile_steps(model, tokenizer, n: int, mode: str, top: int, trace: str | None = None) -> str:
-    graphs = mode != "eager"
-    cfg = EngineConfig(model="kimi-linear-48b-a3b", device="cuda", max_num_seqs=max(n, 1), max_model_len=1024,
-                       enforce_eager=not graphs, enable_prefix_caching=False, async_scheduling=mode == "async")
-    engine = LLMEngine(cfg, model=model, tokenizer=tokenizer)
+def profile_steps(n: int, mode: str, top: int, trace: str | None = None) -> str:
+    llm = LLM(MODEL_48B, device="cuda", max_num_seqs=max(n, 1), max_model_len=1024, enforce_eager=mode == "eager",
+              enable_prefix_caching=False, async_scheduling=mode == "async")
+    engine = llm.engine
     gen = torch.Generator().manual_seed(n)
     for i in range(n):
         engine.add_request(str(i), torch.randint(0, 1000, (PROMPT,), generator=gen).tolist(),
@@ -52,7 +50,8 @@ def profile_steps(model, tokenizer, n: int, mode: str, top: int, trace: str | No
         prof.export_chrome_trace(os.path.join(trace, f"decode_b{n}_{mode}.json"))
     while engine.has_unfinished_requests():
         engine.step()
-    del engine
+    del engine, llm  # the LLM holds the engine, and with it the weights and the cache pool
+    gc.collect()
     torch.cuda.empty_cache()
     kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     gpu = sum(e.self_device_time_total for e in kernels) / STEPS / 1e3
@@ -69,13 +68,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--trace", default=None, help="directory for a Chrome trace of each profiled run")
     p.add_argument("--no-append", action="store_true", help="print only; leave docs/BENCHMARKS.md alone")
     args = p.parse_args(argv)
-    model = load_48b()
-    tokenizer = load_tokenizer(None, model.config.tokenizer_family)
     table = ["| batch | mode | host ms/step (profiled) | GPU kernel ms/step | largest kernels: name x calls/step ms/step |",
              "|---|---|---|---|---|"]
     for n in (int(b) for b in args.batches.split(",")):
         for mode in args.modes.split(","):
-            table.append(profile_steps(model, tokenizer, n, mode, args.top, args.trace))
+            table.append(profile_steps(n, mode, args.top, args.trace))
             print(table[-1], flush=True)
     notes = [f"{STEPS} decode-only steps after {PROMPT}-token prompts, prefix caching off; the profiler adds host time."]
     if args.no_append:

@@ -6,9 +6,10 @@
 
 For each batch size n, n requests with 512-token random prompts generate --output-len tokens (ignore_eos);
 decode-only steps are timed on the host (what a client waits for) with an eager engine, with decode
-graphs, and with graphs and async scheduling (host work overlapping the GPU), around the same loaded weights, each after an untimed 3-token pass of the same
-prompts (kernel compilation). The floor is the bytes a step must read at the
-measured copy bandwidth (benchmarks/gpu_decode.py's count).
+graphs, and with graphs and async scheduling (host work overlapping the GPU), each engine built by `LLM(...)` as users build it
+(product loader, cache sizing, graph capture), each after an untimed 3-token pass of the same prompts (kernel
+compilation). The floor is the bytes a step must read at the measured copy bandwidth (benchmarks/gpu_decode.py's
+count). On the CPU (a dry run) every mode runs eagerly: graphs exist only on CUDA.
 """
 
 from __future__ import annotations
@@ -21,35 +22,31 @@ import torch
 from offline_throughput import timed_batch
 
 from hyserve import LLM, SamplingParams
-from hyserve.config import EngineConfig
-from hyserve.engine.llm_engine import LLMEngine
-from hyserve.models.loader import load_model
-from hyserve.tokenizer import load_tokenizer
 
 PROMPT = 512
 
 
-def decode_ms(model, tokenizer, args, n: int, graphs: bool, async_sched: bool = False) -> tuple[float, int]:
-    """(host ms per decode-only step, graphs captured) for n requests decoding together."""
-    cfg = EngineConfig(model=args.model, device=args.device, max_num_seqs=max(args.batch_list),
-                       max_model_len=PROMPT + args.output_len + 64, enforce_eager=not graphs,
-                       enable_prefix_caching=False, async_scheduling=async_sched)
-    engine = LLMEngine(cfg, model=model, tokenizer=tokenizer)
+def decode_ms(args, n: int, graphs: bool, async_sched: bool = False) -> tuple[float, int, object]:
+    """(host ms per decode-only step, graphs captured, model config) for n requests decoding together."""
+    llm = LLM(args.model, device=args.device, max_num_seqs=max(args.batch_list),
+              max_model_len=PROMPT + args.output_len + 64, enforce_eager=not graphs,
+              enable_prefix_caching=False, async_scheduling=async_sched)
+    engine = llm.engine
     captured = len(engine.runner.graphs.graphs) if engine.runner.graphs is not None else 0
+    model_config = engine.model_config
     gen = torch.Generator().manual_seed(n)
-    prompts = [torch.randint(0, min(1000, model.config.vocab_size), (PROMPT,), generator=gen).tolist() for _ in range(n)]
+    prompts = [torch.randint(0, min(1000, model_config.vocab_size), (PROMPT,), generator=gen).tolist() for _ in range(n)]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    llm = LLM.from_engine(engine)
     # a short untimed pass first: Triton compiles a kernel on its first call, which an eager engine
     # would otherwise time inside its first decode step (graphs compile theirs at capture)
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
     _, phases = timed_batch(llm, prompts, params)
     steps = phases.decode_tokens / n
-    del engine, llm  # the LLM holds the engine, and with it the cache pool
+    del engine, llm  # the LLM holds the engine, and with it the weights and the cache pool
     gc.collect()
     if args.device == "cuda":
         torch.cuda.empty_cache()
-    return phases.decode_seconds / steps * 1e3, captured
+    return phases.decode_seconds / steps * 1e3, captured, model_config
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -62,13 +59,6 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     args.batch_list = [int(b) for b in args.batches.split(",")]
     cuda = args.device == "cuda"
-    if cuda and args.model == "kimi-linear-48b-a3b":
-        from gpu_common import load_48b
-
-        model = load_48b()  # weights drawn on the GPU: a CPU init of 49B parameters takes minutes
-    else:
-        model = load_model(args.model, device=args.device)
-    tokenizer = load_tokenizer(None, model.config.tokenizer_family)
     ceil = None
     if cuda:
         from gpu_common import ceilings
@@ -78,14 +68,14 @@ def main(argv: list[str] | None = None) -> None:
              "graphs/async | graphs captured | floor | floor/graphs | floor/async |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for n in args.batch_list:
-        eager, _ = decode_ms(model, tokenizer, args, n, graphs=False)
-        graphed, captured = decode_ms(model, tokenizer, args, n, graphs=True)
-        overlapped, _ = decode_ms(model, tokenizer, args, n, graphs=True, async_sched=True)
+        eager, _, model_config = decode_ms(args, n, graphs=False)
+        graphed, captured, _ = decode_ms(args, n, graphs=True)
+        overlapped, _, _ = decode_ms(args, n, graphs=True, async_sched=True)
         floor, ratio, ratio_async = "n/a", "n/a", "n/a"
         if ceil is not None:
             from gpu_decode import step_bytes
 
-            ms = step_bytes(model.config, n, PROMPT + args.output_len // 2) / (ceil["copy_tbs"] * 1e12) * 1e3
+            ms = step_bytes(model_config, n, PROMPT + args.output_len // 2) / (ceil["copy_tbs"] * 1e12) * 1e3
             floor, ratio, ratio_async = f"{ms:.2f} ms", f"{ms / graphed:.0%}", f"{ms / overlapped:.0%}"
         table.append(f"| {n} | {eager:.2f} | {graphed:.2f} | {overlapped:.2f} | {eager / graphed:.2f}x | "
                      f"{graphed / overlapped:.2f}x | {captured} | {floor} | {ratio} | {ratio_async} |")

@@ -13,9 +13,10 @@ import argparse
 import sys
 
 import torch
-from gpu_common import active_params_per_token, ceilings, load_48b, report, time_ms
+from gpu_common import MODEL_48B, active_params_per_token, ceilings, report, time_ms
 
 from hyserve.models.batch import Batch
+from hyserve.models.loader import load_model
 
 
 def prefill_flops(cfg, t: int) -> float:
@@ -44,7 +45,7 @@ def prefill_step_fn(model, ids: torch.Tensor, bs: int = 64):
 def main(model=None, ceil=None, lengths=(2048, 8192, 32768), command: str = "python benchmarks/gpu_prefill.py",
          note: str = "") -> None:
     ceil = ceil or ceilings()
-    model = model or load_48b()
+    model = model or load_model(MODEL_48B, device="cuda")
     cfg = model.config
     rows = ["| tokens | ms | tokens/s | TFLOP | achieved | matmul-rate floor | floor/time |",
             "|---|---|---|---|---|---|---|"]

@@ -90,16 +90,16 @@ def build_pair(preset: dict, layers: int, device: str, dtype: torch.dtype):
 
     cfg = hf_config(preset, layers)
     old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # no float32 copy of the weights on the way
+    torch.set_default_dtype(dtype)  # transformers builds in the default dtype: no float32 copy on the way
     try:
         with torch.device(device):
             hf = KimiLinearForCausalLM(cfg).to(dtype).eval()
         randomize_(hf, seed=0)
-        # as save_pretrained writes it: with the architecture
-        ours = build_model(parse_config({**cfg.to_dict(), "architectures": ["KimiLinearForCausalLM"]}), dtype,
-                           device).eval()
     finally:
         torch.set_default_dtype(old)
+    # the product loader's path for a checkpoint's tensors (the config as save_pretrained writes it, with
+    # the architecture), fed from memory instead of a directory
+    ours = build_model(parse_config({**cfg.to_dict(), "architectures": ["KimiLinearForCausalLM"]}), dtype, device)
     load_tensors(ours, hf.state_dict().items())
     return hf, ours
 

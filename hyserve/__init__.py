@@ -8,10 +8,14 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from hyserve.config import DEFAULT_MODEL, EngineConfig
-from hyserve.outputs import CompletionOutput, Logprob, OutputAccumulator, RequestOutput
-from hyserve.sampling_params import SamplingParams
-from hyserve.tokenizer import parse_prompt
+from hyserve.compile_cache import configure_compile_caches
+
+configure_compile_caches()  # before Triton, fla-core or torch read their cache settings
+
+from hyserve.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
+from hyserve.outputs import CompletionOutput, Logprob, OutputAccumulator, RequestOutput  # noqa: E402
+from hyserve.sampling_params import SamplingParams  # noqa: E402
+from hyserve.tokenizer import parse_prompt  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "EngineConfig", "__version__"]

@@ -25,6 +25,21 @@ GIB = 1 << 30
 log = logging.getLogger(__name__)
 
 
+LOAD_FORMATS = ("auto", "safetensors", "fastsafetensors", "dummy")
+FASTSAFETENSORS_HINT = "pip install fastsafetensors (or hyserve[fastsafetensors])"
+
+
+def _check_load_format(fmt: str) -> None:
+    """Before any process starts or torch is imported: a bad name, or fastsafetensors not installed."""
+    if fmt not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got '{fmt}'")
+    if fmt == "fastsafetensors":
+        import importlib.util
+
+        if importlib.util.find_spec("fastsafetensors") is None:
+            raise ValueError(f"load_format fastsafetensors needs the fastsafetensors package: {FASTSAFETENSORS_HINT}")
+
+
 def _opt(default, help: str, **cli):
     """A field with its CLI help; `cli` may name the flag (`flag=`), the value that flag takes in field
     units (`scale=`: --kv-offloading-size is GiB of a byte count), the smallest value (`min=`), `choices=`
@@ -38,6 +53,9 @@ class EngineConfig:
     dtype: str = _opt("auto", "weights and activations: auto (the checkpoint's), float32, bfloat16 or float16")
     device: str | None = _opt(None, "cuda or cpu (default: cuda when available)")
     seed: int = _opt(0, "engine seed: random preset weights and torch's global generator")
+    load_format: str = _opt("auto", "how weights are read: auto (safetensors for a directory, dummy for a preset), "
+                                    "safetensors, fastsafetensors (optional package) or dummy (random weights "
+                                    "at the config's shape)", choices=LOAD_FORMATS)
     tokenizer: str | None = _opt(None, "tokenizer directory (default: the model's, else its family's built-in one)")
     served_model_name: str | None = _opt(None, "the name clients use (default: MODEL)")
     # scheduler
@@ -76,6 +94,8 @@ class EngineConfig:
     async_scheduling: bool | None = _opt(None, "launch each step before reading back the previous one's tokens, "
                                                "so host work overlaps the GPU (a request that stops computes one "
                                                "token more, which is dropped); default: on for CUDA devices")
+    # the server's periodic stats line (hyserve/stats_logger.py)
+    disable_log_stats: bool = _opt(False, "no periodic stats line in the server log")
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -84,6 +104,7 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be fcfs or priority, got '{self.scheduling_policy}'")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        _check_load_format(self.load_format)
         for f in dataclasses.fields(self):
             value, least = getattr(self, f.name), f.metadata.get("min")
             if least is not None and value is not None and value < least:
@@ -124,3 +145,4 @@ def log_startup(cfg: EngineConfig, kernel_plan=None) -> None:
     log.info("env switches set: %s", envs.get().describe())
     if kernel_plan is not None:
         log.info("%s", kernel_plan.table())
+

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import logging
 import os
 import re
 from collections.abc import Iterable, Sequence
@@ -331,6 +332,25 @@ class TiktokenTokenizer(Tokenizer):
         except KeyError:
             return None
         return self._ranks.get(raw)
+
+
+def _has_tokenizer_files(path: str) -> bool:
+    return any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tiktoken.model"))
+
+
+def tokenizer_source(model: str, tokenizer: str | None = None, load_format: str = "auto") -> str | None:
+    """Where an engine's tokenizer comes from: `tokenizer` (--tokenizer), else the model directory. None,
+    the family's byte tokenizer, for a preset, and for a directory that holds only a config and is run
+    with dummy weights (so `--load-format dummy` runs any config)."""
+    if tokenizer:
+        return tokenizer
+    if not os.path.isdir(model):
+        return None
+    if load_format == "dummy" and not _has_tokenizer_files(model):
+        logging.getLogger(__name__).warning("%s has no tokenizer files: using the byte tokenizer with dummy weights",
+                                            model)
+        return None
+    return model
 
 
 def load_tokenizer(path: str | None, family: str) -> Tokenizer:

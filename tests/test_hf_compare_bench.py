@@ -3,27 +3,16 @@ checked on the CPU with its tiny config (transformers' PyTorch fallbacks, float3
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from bench_util import load_benchmark
 
 pytest.importorskip("transformers")
-_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(_DIR))  # its sibling modules (gpu_common, gpu_decode) import without CUDA
-    try:
-        spec = importlib.util.spec_from_file_location("hf_compare_bench", _DIR / "hf_compare.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(_DIR))
-    return mod
+    return load_benchmark("hf_compare")  # its sibling modules (gpu_common, gpu_decode) import without CUDA
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,8 @@ from hyserve.engine.engine_core import (
     engine_main,
 )
 from hyserve.sampling_params import SamplingParams
+from hyserve.startup import describe_startup, since_process_start
+from hyserve.stats_logger import LoggingStatLogger
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +97,8 @@ class AsyncEngineClient:
         self._proc: mp.process.BaseProcess | None = None
         self._reader: threading.Thread | None = None
         self._closing = False
+        self.stat_logger = None if cfg.disable_log_stats else LoggingStatLogger()
+        self._stats_task: asyncio.Task | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     async def start(self, timeout: float = 600.0) -> None:
@@ -108,6 +112,9 @@ class AsyncEngineClient:
         if msg[0] != "ready":
             raise EngineDeadError(f"the engine failed to start:\n{msg[1]}")
         self.info = msg[1]
+        log.info("engine %s", describe_startup(since_process_start(), self.info.get("startup", {})))
+        if self.stat_logger is not None:
+            self._stats_task = asyncio.create_task(self.stat_logger.run())
         self._reader = threading.Thread(target=self._read_loop, name="hyserve-engine-reader", daemon=True)
         self._reader.start()
 
@@ -125,6 +132,8 @@ class AsyncEngineClient:
         if self._proc is None:
             return
         self._closing = True
+        if self._stats_task is not None:
+            self._stats_task.cancel()
         if self._proc.is_alive():
             self._in_q.put(("shutdown",))
             await self._loop.run_in_executor(None, self._proc.join, timeout)
@@ -158,6 +167,8 @@ class AsyncEngineClient:
 
     def _on_step(self, deltas: list[RequestDelta], stats: dict[str, Any]) -> None:
         self.stats = stats
+        if self.stat_logger is not None:
+            self.stat_logger.record(stats)
         now = time.time()
         for d in deltas:
             stream = self._streams.get(d.request_id)

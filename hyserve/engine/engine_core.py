@@ -76,6 +76,7 @@ def engine_main(cfg: EngineConfig, in_q, out_q) -> None:
             "cache_description": engine.cache_plan.describe(),
             "device": str(engine.device),
             "config": engine.cfg,  # resolved at engine start
+            "startup": dict(engine.startup.phases),  # seconds per start-up phase, for the server's log
         }
     except Exception:
         out_q.put(("dead", traceback.format_exc()))

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from dataclasses import dataclass
 
 import torch
 
+from hyserve import compile_cache
 from hyserve.config import EngineConfig, log_startup, resolve_config
 from hyserve.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from hyserve.engine.kv_cache import KVCacheManager, plan_cache
@@ -34,7 +34,8 @@ from hyserve.engine.step_inputs import PendingTokens
 from hyserve.models.loader import load_model, resolve_dtype
 from hyserve.outputs import Logprob, OutputAccumulator, RequestDelta, RequestOutput
 from hyserve.sampling_params import SamplingParams
-from hyserve.tokenizer import Tokenizer, load_tokenizer, parse_prompt
+from hyserve.startup import StartupClock, describe_startup, since_process_start
+from hyserve.tokenizer import Tokenizer, load_tokenizer, parse_prompt, tokenizer_source
 
 log = logging.getLogger(__name__)
 
@@ -95,9 +96,12 @@ class LLMEngine:
         """Decode steps replay CUDA graphs unless the resolved config says `enforce_eager` (always on the
         CPU). `static_decode_buffers` runs them through the graphs' static, padded buffers whatever the
         config says; on the CPU nothing is captured: the path's tests use it."""
+        self.startup = StartupClock()
         device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
         torch.manual_seed(cfg.seed)
-        self.model = model if model is not None else load_model(cfg.model, dtype=cfg.dtype, device=device, seed=cfg.seed)
+        self.model = model if model is not None else load_model(
+            cfg.model, dtype=cfg.dtype, device=device, seed=cfg.seed, load_format=cfg.load_format)
+        self.startup.lap("load")
         self.model_config = self.model.config
         self.device = self.model.device
         # the one resolution of the defaults left open (docs/ARCHITECTURE.md §6); the engine reads only this
@@ -105,16 +109,18 @@ class LLMEngine:
                                         self.model_config.max_position_embeddings)
         log_startup(cfg, self.model.kernel_plan)
         self.tokenizer = tokenizer or load_tokenizer(
-            cfg.tokenizer or (cfg.model if os.path.isdir(cfg.model) else None), self.model_config.tokenizer_family
+            tokenizer_source(cfg.model, cfg.tokenizer, cfg.load_format), self.model_config.tokenizer_family
         )
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(cfg.max_model_len or limit, limit)
         cache_dtype = self.model.dtype if cfg.kv_cache_dtype == "auto" else resolve_dtype(cfg.kv_cache_dtype, self.model_config)
         cuda_graphs = static_decode_buffers or not cfg.enforce_eager
+        self.startup.lap()
         self.cache_plan = plan_cache(cfg, self.model, cache_dtype, self.max_model_len, scratch=cuda_graphs)
         log.info(self.cache_plan.describe())
         self.kv = KVCacheManager(cfg, self.model, self.cache_plan, cache_dtype)
         self.scheduler = Scheduler(cfg, self.kv)
+        self.startup.lap("cache allocation")
         graphs = None
         if cuda_graphs:
             # a decode step has at most one token per sequence, so the token budget caps it too
@@ -122,6 +128,7 @@ class LLMEngine:
             # a step samples at most max_batch tokens: the next step reads them from the graphs' buffer
             graphs = DecodeGraphs(self.model, self.kv, self.max_model_len, graph_batch_sizes(max_batch), max_batch)
             graphs.capture()  # after the cache is allocated: graphs take what memory is left
+            self.startup.lap("graph capture")
         self.runner = ModelRunner(self.model, self.kv, graphs)
         self.sampler = Sampler()
         self.eos_token_ids = list(self.model_config.eos_token_ids) or [self.tokenizer.eos_token_id]
@@ -130,6 +137,9 @@ class LLMEngine:
         self._landed: SchedulerOutput | None = None  # the step the last step() call read back
         self._in_flight: _Launched | None = None  # async scheduling: the step whose tokens are on the device
         self._stashed: list[_Emitted] = []  # deltas of a step read back early (an abort)
+        log.info("engine %s; %.1f s after process start; %s",
+                 describe_startup(self.startup.elapsed(), self.startup.phases, "engine start"), since_process_start(),
+                 compile_cache.describe())
 
     # ---- requests --------------------------------------------------------------------------------
     def add_request(

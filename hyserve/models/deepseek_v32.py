@@ -79,6 +79,7 @@ class DeepseekV32ForCausalLM(KimiForCausalLM):
                     weights[name] = t
             else:
                 yield name, permute_rope_rows(name, t, cfg)
+            del t  # a safetensors tensor keeps its whole shard mapped: let it go before the next shard opens
         if weights or scales:
             orphans = sorted(weights) + [n + " (scale only)" for n in sorted(scales)]
             raise ValueError(f"FP8 weights without weight_scale_inv or the reverse: {', '.join(orphans[:8])}")

@@ -9,16 +9,14 @@ cut by its wall-clock budget still ends at the bottom of the schedule. Steps hav
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
-import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from hyserve.models.checkpoint_writer import write_checkpoint
 from hyserve.models.config import parse_config
 from hyserve.models.kimi import KimiForCausalLM
 from hyserve.models.layers.moe import Router
@@ -211,67 +209,9 @@ def train(
 
 # ---- checkpoints -----------------------------------------------------------------------------------
 
-_FP32_SUFFIXES = ("A_log", "dt_bias", "conv1d.weight", "o_norm.weight", "e_score_correction_bias", "gate.weight")
-
-
-def checkpoint_tensors(model: KimiForCausalLM) -> dict[str, torch.Tensor]:
-    """State dict in the K3 checkpoint spelling: per-expert w1/w2/w3, q/k/v conv1d, o_norm, AttnRes
-    `*_norm` / `*_proj` weights (the names `hyserve.models.loader` maps back)."""
-    cfg = model.config
-    out: dict[str, torch.Tensor] = {}
-    for name, t in model.state_dict().items():
-        t = t.detach().cpu()
-        if name.endswith("block_sparse_moe.w13"):
-            base, inter = name[: -len("w13")], t.shape[1] // 2
-            for e in range(t.shape[0]):
-                out[f"{base}experts.{e}.w1.weight"] = t[e, :inter]
-                out[f"{base}experts.{e}.w3.weight"] = t[e, inter:]
-        elif name.endswith("block_sparse_moe.w2"):
-            base = name[: -len("w2")]
-            for e in range(t.shape[0]):
-                out[f"{base}experts.{e}.w2.weight"] = t[e]
-        elif name.endswith("self_attn.conv_weight"):
-            base, p = name[: -len("conv_weight")], cfg.kda_proj_dim
-            for j, part in enumerate("qkv"):
-                out[f"{base}{part}_conv1d.weight"] = t[j * p : (j + 1) * p].unsqueeze(1)
-        elif name.endswith("self_attn.o_norm_weight"):
-            out[name.replace("o_norm_weight", "o_norm.weight")] = t
-        elif name.endswith(("res.proj", "res.norm")):
-            out[name[: -len(".proj")] + "_" + name.rsplit(".", 1)[1] + ".weight"] = t
-        else:
-            out[name] = t
-    return {k: v.contiguous() for k, v in out.items()}
-
 
 def save_checkpoint(model: KimiForCausalLM, raw_config: dict, tokenizer_dir: str, out_dir: str,
                     dtype: torch.dtype = torch.bfloat16, shard_bytes: int = 15 << 20) -> None:
-    from safetensors.torch import save_file
-
-    os.makedirs(out_dir, exist_ok=True)
-    tensors = {k: (v.float() if k.endswith(_FP32_SUFFIXES) else v.to(dtype)) for k, v in checkpoint_tensors(model).items()}
-    # shards of at most `shard_bytes`, with the HF index, so every file stays small enough to move around
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for k, v in tensors.items():
-        n = v.numel() * v.element_size()
-        if shards[-1] and size + n > shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][k] = v
-        size += n
-    if len(shards) == 1:
-        save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, os.path.join(out_dir, fname), metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(shard, fname))
-        total = sum(v.numel() * v.element_size() for v in tensors.values())
-        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
-    config = dict(raw_config, dtype={torch.bfloat16: "bfloat16", torch.float32: "float32"}[dtype])
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(tokenizer_dir, name), os.path.join(out_dir, name))
+    """The HF-format directory (hyserve/models/checkpoint_writer.py), in shards of at most `shard_bytes`
+    so every file stays small enough to move around."""
+    write_checkpoint(model, raw_config, out_dir, dtype, shard_bytes, tokenizer_dir)

@@ -41,7 +41,7 @@ from hyserve.entrypoints.openai.serving_completion import create_completion
 from hyserve.entrypoints.openai.serving_responses import responses_router
 from hyserve.entrypoints.serve import SERVE_EXCLUDED
 from hyserve.metrics import ServerMetrics
-from hyserve.tokenizer import load_tokenizer
+from hyserve.tokenizer import load_tokenizer, tokenizer_source
 
 log = logging.getLogger("hyserve.server")
 
@@ -132,7 +132,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         family = client.info["tokenizer_family"]
         chosen = args.chat_encoding or _PARSER_FAMILIES.get(args.tool_call_parser or args.reasoning_parser or "")
         encoding = chosen or family
-        tokenizer = load_tokenizer(cfg.tokenizer or (cfg.model if os.path.isdir(cfg.model) else None), family)
+        tokenizer = load_tokenizer(tokenizer_source(cfg.model, cfg.tokenizer, cfg.load_format), family)
         try:  # fail at start-up, not per request, when the encoding does not fit the tokenizer
             get_chat_encoder(encoding).stop_token_ids(tokenizer)
         except (KeyError, ValueError) as e:
