@@ -159,7 +159,7 @@ SAMPLES = {
     "enable_prefix_caching": (None, False), "prefix_cache_retention_interval": ("32", 32),
     "prefix_cache_second_hit": (None, False), "prefix_cache_end_of_generation": (None, False),
     "num_checkpoint_slots": ("2", 2), "cpu_offload_bytes": ("0.5", 2**29), "enforce_eager": (None, False),
-    "async_scheduling": (None, False),
+    "async_scheduling": (None, False), "load_format": ("dummy", "dummy"), "disable_log_stats": (None, False),
 }
 
 
