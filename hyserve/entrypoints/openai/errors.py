@@ -1,0 +1,69 @@
+"""The server's error answers: every one in the OpenAI error shape (`protocol.ErrorResponse`), validation
+errors as 400s whose message names the field ("n must be less than or equal to 16384, got 1000000000")."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hyserve.entrypoints.openai.protocol import APIError
+
+log = logging.getLogger("hyserve.server")
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """One sentence per error, naming the field: "n must be less than or equal to 16384, got 10**9"."""
+    parts, param = [], None
+    for err in exc.errors():
+        # A union reports every member (`prompt.str`, `prompt.list[int]`): the member names are noise.
+        loc = [x for x in err.get("loc", ()) if x != "body" and not (isinstance(x, str) and "[" in x)]
+        ctx = err.get("ctx") or {}
+        if err.get("type") == "json_invalid":
+            return f"Invalid JSON body: {ctx.get('error', err.get('msg'))}", None
+        if "param" in ctx:  # a limits.py refusal: its message names the field
+            return str(err.get("msg")), str(ctx["param"])
+        path = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc).lstrip(".") or "body"
+        param = param or (str(loc[0]) if loc else None)
+        msg = str(err.get("msg"))
+        if msg.startswith("Input should be "):
+            value = err.get("input")
+            got = f", got {value!r}" if isinstance(value, (str, int, float, bool)) and len(repr(value)) < 80 else ""
+            parts.append(f"{path} must be {msg[len('Input should be '):]}{got}")
+        else:
+            parts.append(f"{path}: {msg}")
+    return "; ".join(dict.fromkeys(parts)) or "invalid request", param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error in the OpenAI shape: FastAPI's own (validation, routing, body parsing) included."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return JSONResponse(APIError(400, message, param).body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Routing (404/405) and body-parsing errors (bad UTF-8, nesting too deep) get the OpenAI error
+        # shape too, not FastAPI's {"detail": ...}, so clients can read them like every other error.
+        err = APIError(exc.status_code, str(exc.detail), headers=exc.headers)
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(UnicodeEncodeError)
+    async def _unencodable_text(_: Request, exc: UnicodeEncodeError) -> JSONResponse:
+        # JSON allows escaped lone surrogates ("\ud800"), which no tokenizer can encode: the client's fault.
+        message = f"the request holds text that is not valid Unicode: {exc.reason} at {exc.object[exc.start:exc.end]!r}"
+        return JSONResponse(APIError(400, message).body(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return JSONResponse(APIError(500, f"{type(exc).__name__}: {exc}").body(), status_code=500)
