@@ -21,8 +21,9 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                    240.0, 480.0, 960.0, 1920.0, 7680.0)
 FINISHED_REASONS = ("stop", "length", "abort")
-# The cache pools, free and total, so a leak shows on /metrics: on an idle server every running state slot
-# is free and every KV block is free but those that prefix-cache checkpoints pin (vLLM has no such gauges).
+# The cache pools, free and total, so a leak shows on /metrics (vLLM has no such gauges). On an idle server
+# every running state slot is free, every KV block is free but those prefix-cache checkpoints pin, and
+# every checkpoint slot is free but those the checkpoints hold.
 POOL_GAUGES = (
     ("hyserve:kv_blocks_free", "kv_blocks_free", "KV cache blocks (pages) on the free list, cached ones included."),
     ("hyserve:kv_blocks_total", "kv_blocks_total", "KV cache blocks (pages) in the pool."),
@@ -31,6 +32,7 @@ POOL_GAUGES = (
     ("hyserve:state_slots_total", "state_slots_total", "KDA state slots for running requests."),
     ("hyserve:checkpoint_slots_free", "checkpoint_slots_free", "Free KDA state slots for prefix-cache checkpoints."),
     ("hyserve:checkpoint_slots_total", "checkpoint_slots_total", "KDA state slots for prefix-cache checkpoints."),
+    ("hyserve:prefix_cache_checkpoints", "prefix_cache_checkpoints", "Checkpoints the prefix cache holds (a slot each)."),
 )
 
 

@@ -13,7 +13,7 @@ import socket
 import httpx
 import pytest
 
-from tests.server_util import live_server
+from tests.server_util import live_server, wait_idle
 
 CHAT = "/v1/chat/completions"
 CMPL = "/v1/completions"
@@ -146,7 +146,7 @@ def test_requests_that_fail_on_the_way_to_the_engine_never_lock_out_the_server(s
     _still_serving(server)
 
 
-def _raw_post(server: str, headers: str, body_chunks) -> bytes:
+def _raw_post(server: str, headers: str, body_chunks, read: bool = True) -> bytes:
     """POST over a bare socket, so the test can claim a length or stream chunks; returns the response."""
     host, port = server.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=30) as sock:
@@ -155,7 +155,7 @@ def _raw_post(server: str, headers: str, body_chunks) -> bytes:
             if select.select([sock], [], [], 0)[0]:
                 break  # the server has answered: sending on would only get the connection reset
             sock.sendall(chunk)
-        return sock.recv(65536)
+        return sock.recv(65536) if read else b""  # read=False: hang up at once
 
 
 def test_a_body_over_the_size_limit_answers_413(server):
@@ -192,3 +192,22 @@ def test_schemas_of_realistic_depth_are_served(server):
     assert r.status_code == 200, r.text
     r = httpx.post(f"{server}/tokenize", json={"messages": MSGS, "tools": [deep_tool(20)]}, timeout=60)
     assert r.status_code == 200 and r.json()["count"] > 1000, r.text
+
+
+def test_pool_gauges_return_to_idle_after_aborts_and_disconnects(server):
+    """/metrics shows the pools (free KV blocks, running state slots, checkpoint slots): after streams
+    dropped mid-way, an n > 1 stream dropped, a non-streaming request abandoned and a request whose client
+    hung up at once, every pool is back to its idle value (only prefix-cache checkpoints hold anything)."""
+    assert wait_idle(server) == []
+    long = {"prompt": "x" * 50, "max_tokens": 440, "ignore_eos": True}
+    for extra in ({"stream": True}, {"stream": True, "n": 3}):
+        with httpx.stream("POST", server + CMPL, json={**long, **extra}, timeout=60) as r:
+            lines = r.iter_lines()
+            for _ in range(3):
+                next(lines)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server + CMPL, json=long, timeout=httpx.Timeout(60, read=0.5))
+    body = json.dumps(long).encode()
+    _raw_post(server, f"Content-Length: {len(body)}\r\nConnection: close\r\n", [body], read=False)
+    assert wait_idle(server) == []
+    _still_serving(server)

@@ -295,6 +295,7 @@ def _pool_stats(engine) -> dict[str, int]:
     return {
         "kv_blocks_free": kv.blocks.num_free, "kv_blocks_total": kv.blocks.num_blocks,
         "kv_blocks_pinned": len(pc.pinned_blocks) if pc is not None else 0,
+        "prefix_cache_checkpoints": len(pc.ckpts) if pc is not None else 0,
         "state_slots_free": kv.slots.num_free, "state_slots_total": kv.slots.num_slots,
         "checkpoint_slots_free": kv.checkpoint_slots.num_free,
         "checkpoint_slots_total": kv.checkpoint_slots.num_slots,
