@@ -26,12 +26,12 @@ FINISHED_REASONS = ("stop", "length", "abort")
 # every checkpoint slot is free but those the checkpoints hold.
 POOL_GAUGES = (
     ("hyserve:kv_blocks_free", "kv_blocks_free", "KV cache blocks (pages) on the free list, cached ones included."),
-    ("hyserve:kv_blocks_total", "kv_blocks_total", "KV cache blocks (pages) in the pool."),
+    ("hyserve:kv_blocks_capacity", "kv_blocks_capacity", "KV cache blocks (pages) in the pool."),
     ("hyserve:kv_blocks_pinned", "kv_blocks_pinned", "KV cache blocks held by prefix-cache checkpoints."),
     ("hyserve:state_slots_free", "state_slots_free", "Free KDA state slots for running requests."),
-    ("hyserve:state_slots_total", "state_slots_total", "KDA state slots for running requests."),
+    ("hyserve:state_slots_capacity", "state_slots_capacity", "KDA state slots for running requests."),
     ("hyserve:checkpoint_slots_free", "checkpoint_slots_free", "Free KDA state slots for prefix-cache checkpoints."),
-    ("hyserve:checkpoint_slots_total", "checkpoint_slots_total", "KDA state slots for prefix-cache checkpoints."),
+    ("hyserve:checkpoint_slots_capacity", "checkpoint_slots_capacity", "KDA state slots for prefix-cache checkpoints."),
     ("hyserve:prefix_cache_checkpoints", "prefix_cache_checkpoints", "Checkpoints the prefix cache holds (a slot each)."),
 )
 

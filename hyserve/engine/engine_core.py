@@ -293,12 +293,12 @@ def _pool_stats(engine) -> dict[str, int]:
     """Free and total sizes of the cache pools, for the /metrics gauges that show a leak."""
     kv, pc = engine.kv, engine.prefix_cache
     return {
-        "kv_blocks_free": kv.blocks.num_free, "kv_blocks_total": kv.blocks.num_blocks,
+        "kv_blocks_free": kv.blocks.num_free, "kv_blocks_capacity": kv.blocks.num_blocks,
         "kv_blocks_pinned": len(pc.pinned_blocks) if pc is not None else 0,
         "prefix_cache_checkpoints": len(pc.ckpts) if pc is not None else 0,
-        "state_slots_free": kv.slots.num_free, "state_slots_total": kv.slots.num_slots,
+        "state_slots_free": kv.slots.num_free, "state_slots_capacity": kv.slots.num_slots,
         "checkpoint_slots_free": kv.checkpoint_slots.num_free,
-        "checkpoint_slots_total": kv.checkpoint_slots.num_slots,
+        "checkpoint_slots_capacity": kv.checkpoint_slots.num_slots,
     }
 
 

@@ -1,17 +1,20 @@
 """What /openapi.json declares beyond the request models: the response bodies and every status code the
 server can answer, all errors in the OpenAI error shape (`ErrorResponse`). FastAPI's default 422
-validation body is never sent (validation errors are 400s), so it is taken out of the document.
+validation body is never sent (validation errors are 400s), so it is taken out of the document. Bounds
+that depend on the served model (token ids below the vocabulary size, max_tokens below the context
+length) are filled in once the engine runs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, Field
 
-from hyserve.entrypoints.openai.protocol import ErrorResponse, UsageInfo
+from hyserve.entrypoints.openai.protocol import BOUND_KEY, ErrorResponse, UsageInfo
 
 # ---- response bodies (documentation only: handlers build dicts, which these describe) ----------------
 
@@ -91,8 +94,14 @@ _ERRORS = {
     503: "The engine is not running (the server exits so that its supervisor restarts it), or the waiting "
          "queue is full (--max-waiting-requests, with Retry-After).",
 }
-_SSE = {"text/event-stream": {"schema": {"type": "string", "description": "Server-sent events: JSON chunks, "
-                                                                          "then `data: [DONE]`"}}}
+# OpenAPI 3.1 reads an event stream's `schema` as the schema of one event.
+_SSE = {"text/event-stream": {"schema": {
+    "type": "object", "required": ["data"],
+    "properties": {"data": {"type": "string", "contentMediaType": "application/json",
+                            "description": "one chunk of the answer, an error object ({\"error\": ...}), or the "
+                                           "final `[DONE]`"},
+                   "event": {"type": "string"}},
+}}}
 
 
 def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
@@ -112,19 +121,36 @@ HEALTH = {200: {"description": "The engine is running (empty body).", "content":
 METRICS = {200: {"description": "Prometheus text format.", "content": {"text/plain": {"schema": {"type": "string"}}}}}
 
 
-def install_openapi(app: FastAPI) -> None:
-    """Generate the document once, without FastAPI's 422 responses and their schemas."""
+def _fill_bounds(node: Any, bounds: dict[str, int]) -> None:
+    """Give every schema marked with BOUND_KEY its `maximum` (exclusive of the bound: ids < vocab_size)."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, dict):
+            if n.get(BOUND_KEY) in bounds:
+                n["maximum"] = bounds[n.pop(BOUND_KEY)] - 1
+            stack.extend(n.values())
+        elif isinstance(n, list):
+            stack.extend(n)
+
+
+def install_openapi(app: FastAPI, bounds: Callable[[], dict[str, int] | None]) -> None:
+    """Generate the document once the engine runs (`bounds()` not None), without FastAPI's 422s."""
 
     def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            for item in doc.get("paths", {}).values():
-                for op in item.values():
-                    op.get("responses", {}).pop("422", None)
-            schemas = doc.get("components", {}).get("schemas", {})
-            for name in ("HTTPValidationError", "ValidationError"):
-                schemas.pop(name, None)
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for item in doc.get("paths", {}).values():
+            for op in item.values():
+                op.get("responses", {}).pop("422", None)
+        schemas = doc.get("components", {}).get("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(name, None)
+        known = bounds()
+        if known is not None:
+            _fill_bounds(doc, known)
             app.openapi_schema = doc
-        return app.openapi_schema
+        return doc
 
     app.openapi = openapi

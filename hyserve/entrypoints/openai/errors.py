@@ -15,12 +15,20 @@ from hyserve.entrypoints.openai.protocol import APIError
 log = logging.getLogger("hyserve.server")
 
 
+def _union_member(part: object) -> bool:
+    """A union reports each member it tried (`prompt.str`, `prompt.list[int]`, `TokenizeChatRequest.messages`):
+    names of types, never of fields (the API's fields are snake_case)."""
+    return isinstance(part, str) and (part[:1].isupper() or any(c in part for c in "[-") or part in _TYPE_TAGS)
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """One sentence per error, naming the field: "n must be less than or equal to 16384, got 10**9"."""
     parts, param = [], None
     for err in exc.errors():
-        # A union reports every member (`prompt.str`, `prompt.list[int]`): the member names are noise.
-        loc = [x for x in err.get("loc", ()) if x != "body" and not (isinstance(x, str) and "[" in x)]
+        loc = [x for x in err.get("loc", ()) if x != "body" and not _union_member(x)]
         ctx = err.get("ctx") or {}
         if err.get("type") == "json_invalid":
             return f"Invalid JSON body: {ctx.get('error', err.get('msg'))}", None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from hyserve.entrypoints.openai.limits import check_body
 from hyserve.sampling_params import MAX_LOGPROBS, MAX_N, SEED_MAX, SEED_MIN
@@ -32,9 +32,23 @@ class RequestBody(OpenAIModel):
         return check_body(data)
 
 
+def _integral(value: Any) -> Any:
+    """JSON Schema counts 8.0 as an integer, so the server does too; strings and booleans stay refused."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def integer(**constraints: Any) -> Any:
+    """An int field type: strict (no strings, no booleans), but taking 8.0 for 8 as JSON Schema does.
+    The constraints go before the coercion, so they appear in the JSON schema as minimum/maximum."""
+    return Annotated[int, Field(**constraints), BeforeValidator(_integral)]
+
+
+# Upper bounds known only once the engine runs are filled into /openapi.json by `api_docs` (BOUND_KEY).
+BOUND_KEY = "x-hyserve-bound"
 NonEmptyStr = Annotated[str, Field(min_length=1)]
-TokenId = Annotated[int, Field(ge=0)]
-Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+TokenId = integer(ge=0, json_schema_extra={BOUND_KEY: "vocab_size"})
+Logprobs = integer(ge=0, le=MAX_LOGPROBS)
+MaxTokens = integer(ge=1, json_schema_extra={BOUND_KEY: "max_model_len"})
 
 
 class StreamOptions(OpenAIModel):
@@ -60,12 +74,12 @@ class SamplingRequest(RequestBody):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: integer(ge=1, le=MAX_N) = 1
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1, description="0 or -1: off")
+    top_k: integer(ge=-1, description="0 or -1: off") | None = None
     min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    seed: integer(ge=SEED_MIN, le=SEED_MAX) | None = None
     stop: NonEmptyStr | list[NonEmptyStr] | None = None
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
@@ -73,22 +87,22 @@ class SamplingRequest(RequestBody):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float = Field(1.0, gt=0)
     logit_bias: dict[Annotated[str, Field(pattern=r"^[0-9]+$")], float] | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    min_tokens: int = Field(0, ge=0)
+    max_tokens: MaxTokens | None = None
+    min_tokens: integer(ge=0) = 0
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     cache_salt: str | None = None
-    priority: int = Field(0, description="only 0 unless the server runs --scheduling-policy priority")
+    priority: integer(description="only 0 unless the server runs --scheduling-policy priority") = 0
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool | None = None  # true only with skip_special_tokens (hyserve's decoding)
     prompt_logprobs: Logprobs | None = None
     return_token_ids: bool = False
     # keep the last N prompt tokens; -1: max_model_len
-    truncate_prompt_tokens: Annotated[int, Field(ge=1)] | Literal[-1] | None = None
-    best_of: int | None = Field(None, ge=1, description="only n: completions are not ranked")
+    truncate_prompt_tokens: integer(ge=1) | Literal[-1] | None = None
+    best_of: integer(ge=1, description="only n: completions are not ranked") | None = None
     user: str | None = None  # informational only
 
 
@@ -108,22 +122,32 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: bool = True
     logprobs: bool = False
     top_logprobs: Logprobs | None = None
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: MaxTokens | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
 
-class TokenizeRequest(RequestBody):
+class TokenizeCompletionRequest(RequestBody):
     model: str | None = None
-    prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(RequestBody):
+    model: str | None = None
+    messages: list[dict[str, Any]] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
     return_token_strs: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+
+
+# vLLM's shape: a prompt or a conversation.
+TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
 
 
 class DetokenizeRequest(RequestBody):

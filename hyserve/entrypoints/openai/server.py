@@ -38,6 +38,7 @@ from hyserve.entrypoints.openai.protocol import (
     DetokenizeRequest,
     ModelCard,
     ModelList,
+    TokenizeChatRequest,
     TokenizeRequest,
 )
 from hyserve.entrypoints.openai.serving_chat import create_chat_completion
@@ -111,7 +112,12 @@ def build_app(args: argparse.Namespace, on_engine_dead: Callable[[str], None] | 
 
     app = FastAPI(title="hyserve", version=hyserve.__version__, lifespan=lifespan)
     app.add_middleware(RequestIdAndAuth, api_key=args.api_key)
-    api_docs.install_openapi(app)
+
+    def bounds() -> dict[str, int] | None:
+        s = holder.get("state")
+        return None if s is None else {"vocab_size": int(s.client.info["vocab_size"]), "max_model_len": s.max_model_len}
+
+    api_docs.install_openapi(app, bounds)
 
     def state() -> ServerState:
         return holder["state"]
@@ -155,17 +161,15 @@ def build_app(args: argparse.Namespace, on_engine_dead: Callable[[str], None] | 
     async def tokenize(req: TokenizeRequest) -> dict:
         s = state()
         s.check_model(req.model)
-        if req.messages is not None:
+        if isinstance(req, TokenizeChatRequest):
             kwargs = dict(req.chat_template_kwargs or {})
             kwargs.setdefault("add_generation_prompt", req.add_generation_prompt)
             try:
                 ids = get_chat_encoder(s.chat_encoding).encode(s.tokenizer, req.messages, req.tools, **kwargs)
             except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:  # as in chat
                 raise APIError(400, f"invalid messages: {e}", param="messages") from e
-        elif req.prompt is not None:
-            ids = s.tokenizer.encode(req.prompt)
         else:
-            raise APIError(400, "tokenize needs prompt or messages")
+            ids = s.tokenizer.encode(req.prompt)
         out: dict[str, Any] = {"count": len(ids), "max_model_len": s.max_model_len, "tokens": ids}
         if req.return_token_strs:
             out["token_strs"] = [s.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
