@@ -48,6 +48,15 @@ class LoopHarness:
     def tokens(self, request_id: str) -> int:
         return sum(len(c.token_ids) for d in self.deltas[request_id] for c in d.completions)
 
+    def bad_beside_good(self) -> str:
+        """Run a long request "bad" beside a short "good" one; the good one must finish whole. Returns
+        bad's error."""
+        self.add("bad", SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
+        self.add("good")
+        self.wait_finished("bad", "good")
+        assert self.error("good") is None and self.tokens("good") == 6
+        return self.error("bad")
+
     def stop(self) -> None:
         self.in_q.put(("shutdown",))
         self.thread.join(30)
@@ -72,11 +81,7 @@ def test_an_exception_while_adding_a_request_fails_it_alone(harness, monkeypatch
             raise RuntimeError("boom")
 
     monkeypatch.setattr(engine, "add_request", add)
-    harness.add("bad")
-    harness.add("good")
-    harness.wait_finished("bad", "good")
-    assert "boom" in harness.error("bad")
-    assert harness.error("good") is None and harness.tokens("good") == 6
+    assert "boom" in harness.bad_beside_good()
     harness.add("after")
     harness.wait_finished("after")
     assert harness.tokens("after") == 6
@@ -124,11 +129,7 @@ def test_an_exception_in_one_requests_output_fails_it_alone(harness, monkeypatch
         return real_delta(out)
 
     monkeypatch.setattr(loop, "_delta", delta)
-    harness.add("bad", SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
-    harness.add("good")
-    harness.wait_finished("bad", "good")
-    assert "cannot report" in harness.error("bad")
-    assert harness.tokens("good") == 6
+    assert "cannot report" in harness.bad_beside_good()
 
 
 def test_an_output_that_cannot_be_sent_fails_that_request_alone(harness, monkeypatch):
@@ -142,8 +143,4 @@ def test_an_output_that_cannot_be_sent_fails_that_request_alone(harness, monkeyp
         return d
 
     monkeypatch.setattr(loop, "_delta", delta)
-    harness.add("bad", SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
-    harness.add("good")
-    harness.wait_finished("bad", "good")
-    assert "could not be sent" in harness.error("bad")
-    assert harness.tokens("good") == 6
+    assert "could not be sent" in harness.bad_beside_good()

@@ -25,6 +25,7 @@ MAX_JSON_NODES = 100_000
 SCHEMA_FIELDS = frozenset({"tools", "tool_choice", "response_format", "structured_outputs", "chat_template_kwargs"})
 # Whole request bodies (a 413 beyond it): a prompt of a million tokens as ids is about 8 MB of JSON.
 MAX_BODY_BYTES = 64 << 20
+_SCALARS = {int, float, bool, type(None)}
 
 
 def _path(parts: list[Any], keep: int = 8) -> str:
@@ -32,11 +33,16 @@ def _path(parts: list[Any], keep: int = 8) -> str:
     out = ""
     for p in parts[:keep]:
         out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
-    return out + ("..." if len(parts) > keep else "")
+    return _safe(out + ("..." if len(parts) > keep else ""))
+
+
+def _safe(text: str) -> str:
+    """Text fit for an error message: a field name may itself be the invalid text."""
+    return text.encode("utf-8", "backslashreplace").decode()
 
 
 def _refuse(kind: str, message: str, field: str) -> PydanticCustomError:
-    return PydanticCustomError(kind, "{message}", {"message": message, "param": field})
+    return PydanticCustomError(kind, "{message}", {"message": message, "param": _safe(field)})
 
 
 def _check_text(text: str, parts: list[Any], field: str) -> None:
@@ -53,10 +59,6 @@ def check_field(field: str, value: Any) -> None:
     stack: list[tuple[Any, list[Any], int]] = [(value, [field], 0)]
     while stack:
         node, parts, depth = stack.pop()
-        nodes += 1
-        if field in SCHEMA_FIELDS and nodes > MAX_JSON_NODES:
-            raise _refuse("json_too_large", f"{field} holds more than {MAX_JSON_NODES} JSON values "
-                          f"(the limit is {MAX_JSON_NODES})", field)
         if isinstance(node, str):
             _check_text(node, parts, field)
             continue
@@ -65,12 +67,19 @@ def check_field(field: str, value: Any) -> None:
         if depth >= MAX_JSON_DEPTH:
             raise _refuse("json_too_deep", f"{field} nests deeper than {MAX_JSON_DEPTH} levels at {_path(parts)} "
                           f"(the limit is {MAX_JSON_DEPTH} nested objects or arrays per field)", field)
-        if isinstance(node, dict):
-            for k, v in node.items():
+        nodes += len(node)
+        if field in SCHEMA_FIELDS and nodes > MAX_JSON_NODES:
+            raise _refuse("json_too_large", f"{field} holds more than {MAX_JSON_NODES} JSON values "
+                          f"(the limit is {MAX_JSON_NODES})", field)
+        if isinstance(node, list) and set(map(type, node)) <= _SCALARS:
+            continue  # token ids and the like: nothing inside to look at, and quick to tell
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for k, v in items:
+            if isinstance(k, str):
                 _check_text(k, parts + [k], field)
+            # numbers, booleans and nulls need no look: only text and containers go on the stack
+            if isinstance(v, (str, dict, list)):
                 stack.append((v, parts + [k], depth + 1))
-        else:
-            stack.extend((v, parts + [i], depth + 1) for i, v in enumerate(node))
 
 
 def check_body(data: Any) -> Any:
