@@ -52,6 +52,7 @@ def _code_state() -> str:
 
 
 def soak(args: argparse.Namespace) -> dict:
+    code = _code_state()  # the code the server starts with, before anything can change under it
     own = args.url is None
     flags = ("--max-model-len", str(args.max_model_len), "--max-num-seqs", "16")
     with serve_subprocess(*flags) if own else nullcontext((args.url, None)) as (url, proc):
@@ -74,7 +75,7 @@ def soak(args: argparse.Namespace) -> dict:
         same = probe(url) == answer
         after = {k: rss_bytes(p) for k, p in pids.items()}
     return {"result": result, "wall": wall, "warm_leaks": warm_leaks, "leaks": leaks, "same": same,
-            "before": before, "after": after}
+            "before": before, "after": after, "code": code}
 
 
 def summary(args: argparse.Namespace, r: dict) -> str:
@@ -102,7 +103,7 @@ def section(args: argparse.Namespace, r: dict, command: str) -> str:
     machine += ", load average {:.1f} / {:.1f} / {:.1f} at the end".format(*os.getloadavg())
     target = args.url or f"k3-tiny on the CPU, --max-model-len {args.max_model_len} --max-num-seqs 16"
     return (f"\n## Soak: {args.requests} mixed requests against one server ({when})\n\n"
-            f"- machine: {machine}\n- server: {target}\n- command: `{command}`\n- code: {_code_state()}\n"
+            f"- machine: {machine}\n- server: {target}\n- command: `{command}`\n- code: {r['code']}\n"
             f"{summary(args, r)}\n")
 
 
