@@ -155,7 +155,18 @@ def _raw_post(server: str, headers: str, body_chunks, read: bool = True) -> byte
             if select.select([sock], [], [], 0)[0]:
                 break  # the server has answered: sending on would only get the connection reset
             sock.sendall(chunk)
-        return sock.recv(65536) if read else b""  # read=False: hang up at once
+        return _read_response(sock) if read else b""  # read=False: hang up at once
+
+
+def _read_response(sock: socket.socket) -> bytes:
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+        head, sep, body = data.partition(b"\r\n\r\n")
+        lengths = [int(x.split(b":")[1]) for x in head.split(b"\r\n") if x.lower().startswith(b"content-length:")]
+        if sep and lengths and len(body) >= lengths[0]:
+            break
+    return data
 
 
 def test_a_body_over_the_size_limit_answers_413(server):

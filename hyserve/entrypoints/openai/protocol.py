@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from hyserve.entrypoints.openai.limits import check_body
 from hyserve.sampling_params import MAX_LOGPROBS, MAX_N, SEED_MAX, SEED_MIN
@@ -49,6 +49,23 @@ NonEmptyStr = Annotated[str, Field(min_length=1)]
 TokenId = integer(ge=0, json_schema_extra={BOUND_KEY: "vocab_size"})
 Logprobs = integer(ge=0, le=MAX_LOGPROBS)
 MaxTokens = integer(ge=1, json_schema_extra={BOUND_KEY: "max_model_len"})
+
+
+class ChatMessageParam(OpenAIModel):
+    """One message of a conversation. Other fields (tool_calls, tool_call_id, name, reasoning, ...) pass
+    through to the chat encoder, which checks the conversation as a whole."""
+
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[Any] | None = None
+
+
+def _as_dicts(messages: list[ChatMessageParam]) -> list[dict[str, Any]]:
+    return [m.model_dump(exclude_unset=True) for m in messages]
+
+
+# Validated as messages, handed on as the dicts the chat encoders read.
+Messages = Annotated[list[ChatMessageParam], Field(min_length=1), AfterValidator(_as_dicts)]
 
 
 class StreamOptions(OpenAIModel):
@@ -116,7 +133,7 @@ class CompletionRequest(SamplingRequest):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    messages: Messages
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
@@ -138,7 +155,7 @@ class TokenizeCompletionRequest(RequestBody):
 
 class TokenizeChatRequest(RequestBody):
     model: str | None = None
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    messages: Messages
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
