@@ -21,6 +21,19 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                    240.0, 480.0, 960.0, 1920.0, 7680.0)
 FINISHED_REASONS = ("stop", "length", "abort")
+# The cache pools, free and total, so a leak shows on /metrics (vLLM has no such gauges). On an idle server
+# every running state slot is free, every KV block is free but those prefix-cache checkpoints pin, and
+# every checkpoint slot is free but those the checkpoints hold.
+POOL_GAUGES = (
+    ("hyserve:kv_blocks_free", "kv_blocks_free", "KV cache blocks (pages) on the free list, cached ones included."),
+    ("hyserve:kv_blocks_capacity", "kv_blocks_capacity", "KV cache blocks (pages) in the pool."),
+    ("hyserve:kv_blocks_pinned", "kv_blocks_pinned", "KV cache blocks held by prefix-cache checkpoints."),
+    ("hyserve:state_slots_free", "state_slots_free", "Free KDA state slots for running requests."),
+    ("hyserve:state_slots_capacity", "state_slots_capacity", "KDA state slots for running requests."),
+    ("hyserve:checkpoint_slots_free", "checkpoint_slots_free", "Free KDA state slots for prefix-cache checkpoints."),
+    ("hyserve:checkpoint_slots_capacity", "checkpoint_slots_capacity", "KDA state slots for prefix-cache checkpoints."),
+    ("hyserve:prefix_cache_checkpoints", "prefix_cache_checkpoints", "Checkpoints the prefix cache holds (a slot each)."),
+)
 
 
 class _EngineStatsCollector(Collector):
@@ -60,6 +73,9 @@ class _EngineStatsCollector(Collector):
         yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", s.get("prefix_cache_queries", 0))
         yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", s.get("prefix_cache_hits", 0))
         yield counter("vllm:num_preemptions", "Requests preempted.", s.get("num_preemptions", 0))
+        for name, key, doc in POOL_GAUGES:
+            if key in s:
+                yield gauge(name, doc, s[key])
 
 
 class ServerMetrics:
@@ -111,4 +127,4 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-__all__ = ["ServerMetrics", "TTFT_BUCKETS", "ITL_BUCKETS", "LATENCY_BUCKETS"]
+__all__ = ["POOL_GAUGES", "ServerMetrics", "TTFT_BUCKETS", "ITL_BUCKETS", "LATENCY_BUCKETS"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,9 +22,10 @@ class RequestOutputKind(enum.IntEnum):
 SAMPLING_EPS = 1e-5
 # The OpenAI API caps top_logprobs at 20; a larger k would also make every step's top-k costly.
 MAX_LOGPROBS = 20
-# vLLM's default VLLM_MAX_N_SEQUENCES: every completion is a sequence the engine builds up front, so an
-# unbounded n (10**9) would exhaust the engine's memory instead of failing the one request.
-MAX_N = 16384
+# vLLM's VLLM_MAX_N_SEQUENCES (default 16384): every completion is a sequence the engine builds up front,
+# so an unbounded n (10**9) would exhaust the engine's memory instead of failing the one request.
+# HYSERVE_MAX_N_SEQUENCES lowers it (a slow CPU server, a fuzzer's server); /openapi.json shows it.
+MAX_N = int(os.environ.get("HYSERVE_MAX_N_SEQUENCES") or 16384)
 # Seeds are int64, as in vLLM's API; the engine seeds completion i with seed + i.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 # OpenAI's documented logit_bias range (vLLM clamps to it too): a larger bias already forces or bans

@@ -2,55 +2,32 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import tempfile
-import time
 from contextlib import contextmanager
-from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
-ROOT = Path(__file__).resolve().parents[1]
+# tests import these from here
+from hyserve.bench.live import ROOT, engine_pid, free_port, serve_subprocess  # noqa: F401
+from hyserve.bench.soak import pool_leaks, wait_idle  # noqa: F401
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+live_server_process = serve_subprocess  # yields (url, Popen)
 
 
 @contextmanager
-def live_server(*flags: str, model: str = "k3-tiny", timeout: float = 180.0):
-    """Yields the base URL (`http://127.0.0.1:PORT`) once /health answers 200; stops the server after."""
-    port = free_port()
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")  # tiny matmuls: threads only cost
-    cmd = [sys.executable, "-m", "hyserve.entrypoints.serve", model, "--host", "127.0.0.1",
-           "--port", str(port), "--device", "cpu", *flags]
-    log = tempfile.NamedTemporaryFile("w", prefix="hyserve_server_", suffix=".log", delete=False)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}; see {log.name}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("server did not become healthy")
-            time.sleep(0.3)
+def live_server(*flags: str, model: str = "k3-tiny", timeout: float = 180.0, env: dict[str, str] | None = None):
+    """Yields the base URL (`http://127.0.0.1:PORT`) once /health answers 200; stops the server after.
+    `env`: extra environment variables for the server."""
+    with serve_subprocess(*flags, model=model, timeout=timeout, env=env) as (url, _):
         yield url
-    finally:
-        proc.terminate()  # SIGTERM: uvicorn shuts down gracefully and stops the engine process
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
-        os.unlink(log.name)
+
+
+def metrics(server: str) -> dict[tuple[str, tuple], float]:
+    """Every sample of /metrics as {(name, sorted labels): value}, via prometheus_client's parser."""
+    text = httpx.get(f"{server}/metrics").text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def metric(server: str, name: str, **labels: str) -> float:
+    return sum(v for (n, ls), v in metrics(server).items() if n == name and all((k, labels[k]) in ls for k in labels))

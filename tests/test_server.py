@@ -13,9 +13,8 @@ import time
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server_util import live_server
+from tests.server_util import live_server, metric, metrics
 
 MODEL = "k3-tiny"
 NO_THINK = {"chat_template_kwargs": {"thinking": False}}
@@ -35,17 +34,6 @@ def client(server):
 @pytest.fixture(scope="module")
 def aclient_factory(server):
     return lambda: openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def metrics(server: str) -> dict[tuple[str, tuple], float]:
-    """Every sample of /metrics as {(name, sorted labels): value}, via prometheus_client's parser."""
-    text = httpx.get(f"{server}/metrics").text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
-
-
-def metric(server: str, name: str, **labels: str) -> float:
-    return sum(v for (n, ls), v in metrics(server).items() if n == name and all((k, labels[k]) in ls for k in labels))
 
 
 # ---- basic endpoints --------------------------------------------------------------------------------------

@@ -173,7 +173,7 @@ def test_priority_without_priority_scheduling_is_rejected(http):
 def test_spaces_between_special_tokens_with_special_tokens_kept_is_rejected(http):
     r = http.post("/v1/completions", json={"prompt": "x", "skip_special_tokens": False,
                                            "spaces_between_special_tokens": True})
-    assert_rejected(r, 501, "spaces_between_special_tokens")
+    assert_rejected(r, 400, "spaces_between_special_tokens")
 
 
 def test_chat_skip_special_tokens_false_is_accepted_because_parsers_read_specials_anyway(http):

@@ -6,10 +6,14 @@ One k3-tiny server with a short context (512 tokens) runs for the whole module.
 
 from __future__ import annotations
 
+import json
+import select
+import socket
+
 import httpx
 import pytest
 
-from tests.server_util import live_server
+from tests.server_util import live_server, wait_idle
 
 CHAT = "/v1/chat/completions"
 CMPL = "/v1/completions"
@@ -17,9 +21,21 @@ MSGS = [{"role": "user", "content": "hi"}]
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 
 
+def nested(depth: int) -> dict:
+    """A JSON schema of `depth` nested objects (2 * depth JSON levels)."""
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def deep_tool(depth: int) -> dict:
+    return {"type": "function", "function": {"name": "f", "parameters": nested(depth)}}
+
+
 @pytest.fixture(scope="module")
 def server():
-    with live_server("--max-model-len", "512") as url:
+    with live_server("--max-model-len", "512", "--max-waiting-requests", "8") as url:
         yield url
 
 
@@ -58,6 +74,33 @@ BAD_REQUESTS = [
      400, "image"),
     # body-parsing errors used FastAPI's {"detail": ...} shape
     (CMPL, b'{"prompt": "\xff\xfe"}', 400, "parsing the body"),
+    # strings that reach the engine untokenized: a lone surrogate in the cache salt killed the engine loop
+    (CMPL, b'{"prompt": "hi", "max_tokens": 4, "cache_salt": "\\udfff"}', 400, "cache_salt is not valid Unicode"),
+    (CMPL, b'{"prompt": "hi", "max_tokens": 4, "stop": ["\\ud800"]}', 400, "stop[0] is not valid Unicode"),
+    (CMPL, b'{"prompt": "hi", "max_tokens": 4, "structured_outputs": {"regex": "a\\udc00"}}', 400, "not valid Unicode"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", '
+           b'"function": {"name": "\\udfff"}}]}', 400, "tools[0].function.name is not valid Unicode"),
+    (CMPL, b'{"prompt": "hi", "max_tokens": 4, "\\udfff": 1}', 400, "not valid Unicode"),
+    # deep nesting: 260 levels hung the request (RecursionError pickling it for the engine), 300 in a
+    # tool's parameters answered 500 (RecursionError rendering the chat prompt)
+    (CMPL, {"prompt": "hi", "max_tokens": 2, "structured_outputs": {"json": nested(260)}}, 400, "the limit is 64"),
+    (CMPL, {"prompt": "hi", "max_tokens": 2, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": nested(260)}}}, 400, "response_format nests deeper than 64 levels"),
+    (CHAT, {"messages": MSGS, "max_tokens": 2, "tools": [deep_tool(300)]}, 400, "tools nests deeper than 64"),
+    ("/tokenize", {"messages": MSGS, "tools": [deep_tool(300)]}, 400, "the limit is 64"),
+    (CMPL, {"prompt": "hi", "max_tokens": 2, "structured_outputs": {"json": json.dumps(nested(260))}}, 400,
+     "the limit is 64"),
+    (CMPL, {"prompt": "hi", "max_tokens": 2, "structured_outputs": {"json": "[" * 100_000}}, 400, "not valid JSON"),
+    (CHAT, {"messages": MSGS, "max_tokens": 2, "tools": [
+        {"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object", "properties": {
+            f"p{j}": {"type": "string"} for j in range(600)}}}} for i in range(100)]}, 400, "more than 100000"),
+    # wrong JSON types were coerced (pydantic's lax mode): now refused, as OpenAI's API does
+    (CMPL, {"prompt": "hi", "max_tokens": 4, "stream": "yes"}, 400, "stream must be a valid boolean"),
+    (CMPL, {"prompt": "hi", "max_tokens": "8"}, 400, "max_tokens must be a valid integer"),
+    (CMPL, {"prompt": "hi", "max_tokens": 4, "n": True}, 400, "n must be a valid integer"),
+    (CMPL, {"prompt": "hi", "max_tokens": 4, "temperature": "0.5"}, 400, "temperature must be a valid number"),
+    ("/detokenize", {"tokens": [False]}, 400, "tokens[0] must be a valid integer"),
+    (CMPL, {"prompt": [1, True], "max_tokens": 4}, 400, "prompt"),
 ]
 
 
@@ -90,4 +133,92 @@ def test_extreme_but_valid_values_are_served(server):
     assert r.status_code == 200, r.text
     r = httpx.post(server + CMPL, json={"prompt": "hi", "seed": 2**63 - 1, "n": 2, "max_tokens": 2}, timeout=30)
     assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+    _still_serving(server)
+
+
+def test_requests_that_fail_on_the_way_to_the_engine_never_lock_out_the_server(server):
+    """Eight schemas too deep to hand to the engine used to hang their handlers and count as waiting
+    forever: with --max-waiting-requests 8 every later request answered 503. Now each fails at once."""
+    body = {"prompt": "hi", "max_tokens": 2, "structured_outputs": {"json": nested(260)}}
+    for _ in range(10):
+        r = httpx.post(server + CMPL, json=body, timeout=10)
+        assert r.status_code == 400, r.text
+    _still_serving(server)
+
+
+def _raw_post(server: str, headers: str, body_chunks, read: bool = True) -> bytes:
+    """POST over a bare socket, so the test can claim a length or stream chunks; returns the response."""
+    host, port = server.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(f"POST {CMPL} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n{headers}\r\n".encode())
+        for chunk in body_chunks:
+            if select.select([sock], [], [], 0)[0]:
+                break  # the server has answered: sending on would only get the connection reset
+            sock.sendall(chunk)
+        return _read_response(sock) if read else b""  # read=False: hang up at once
+
+
+def _read_response(sock: socket.socket) -> bytes:
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+        head, sep, body = data.partition(b"\r\n\r\n")
+        lengths = [int(x.split(b":")[1]) for x in head.split(b"\r\n") if x.lower().startswith(b"content-length:")]
+        if sep and lengths and len(body) >= lengths[0]:
+            break
+    return data
+
+
+def test_a_body_over_the_size_limit_answers_413(server):
+    from hyserve.entrypoints.openai.limits import MAX_BODY_BYTES
+
+    answer = _raw_post(server, f"Content-Length: {MAX_BODY_BYTES + 1}\r\n", [])
+    assert answer.startswith(b"HTTP/1.1 413") and b"RequestTooLargeError" in answer, answer[:300]
+    mib = b" " * (1 << 20)
+    chunks = (b"%x\r\n%s\r\n" % (len(mib), mib) for _ in range(MAX_BODY_BYTES // len(mib) + 2))
+    answer = _raw_post(server, "Transfer-Encoding: chunked\r\n", chunks)  # no length: counted as it arrives
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:300]
+    _still_serving(server)
+
+
+def test_streaming_n_sends_each_choice_finish_reason_once(server):
+    """With n > 1 a finished choice's finish_reason used to repeat in every later chunk (29 times here)."""
+    body = {"n": 4, "max_tokens": 64, "stop": ["e", "a", "o"], "stream": True, "seed": 3, "temperature": 1.0}
+    for path, extra in ((CMPL, {"prompt": "hello"}), (CHAT, {"messages": MSGS})):
+        finishes: dict[int, int] = {}
+        with httpx.stream("POST", server + path, json={**body, **extra}, timeout=60) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    for c in json.loads(line[6:])["choices"]:
+                        if c["finish_reason"] is not None:
+                            finishes[c["index"]] = finishes.get(c["index"], 0) + 1
+        assert finishes == {0: 1, 1: 1, 2: 1, 3: 1}, (path, finishes)
+
+
+def test_schemas_of_realistic_depth_are_served(server):
+    """The limits sit far above real schemas: 20 nested objects (40 JSON levels) still work."""
+    body = {"prompt": "hi", "max_tokens": 3, "structured_outputs": {"json": nested(20)}}
+    r = httpx.post(server + CMPL, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{server}/tokenize", json={"messages": MSGS, "tools": [deep_tool(20)]}, timeout=60)
+    assert r.status_code == 200 and r.json()["count"] > 1000, r.text
+
+
+def test_pool_gauges_return_to_idle_after_aborts_and_disconnects(server):
+    """/metrics shows the pools (free KV blocks, running state slots, checkpoint slots): after streams
+    dropped mid-way, an n > 1 stream dropped, a non-streaming request abandoned and a request whose client
+    hung up at once, every pool is back to its idle value (only prefix-cache checkpoints hold anything)."""
+    assert wait_idle(server) == []
+    long = {"prompt": "x" * 50, "max_tokens": 440, "ignore_eos": True}
+    for extra in ({"stream": True}, {"stream": True, "n": 3}):
+        with httpx.stream("POST", server + CMPL, json={**long, **extra}, timeout=60) as r:
+            lines = r.iter_lines()
+            for _ in range(3):
+                next(lines)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server + CMPL, json=long, timeout=httpx.Timeout(60, read=0.5))
+    body = json.dumps(long).encode()
+    _raw_post(server, f"Content-Length: {len(body)}\r\nConnection: close\r\n", [body], read=False)
+    assert wait_idle(server) == []
     _still_serving(server)

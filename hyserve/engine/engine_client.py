@@ -5,6 +5,10 @@ The server process never imports torch: it tokenizes, renders chat and parses ou
 messages with the engine process over two multiprocessing queues (the protocol and the engine-side loop
 are in `engine_core.py`). A reader thread hands the engine's messages to the event loop, which routes
 each request's deltas to its `RequestStream`.
+
+A watcher thread waits on the engine process: when it dies, for whatever reason (killed, out of memory,
+a kernel fault), every in-flight request fails at once with `EngineDeadError` and `on_dead` is called,
+which the server uses to exit so that a supervisor restarts it (vLLM's behaviour).
 """
 
 from __future__ import annotations
@@ -12,10 +16,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing as mp
+import multiprocessing.connection
+import pickle
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from hyserve.config import EngineConfig
@@ -27,6 +33,7 @@ from hyserve.engine.engine_core import (
     RequestDelta,
     engine_main,
 )
+from hyserve.engine.request_stream import RequestStream
 from hyserve.sampling_params import SamplingParams
 from hyserve.startup import describe_startup, since_process_start
 from hyserve.stats_logger import LoggingStatLogger
@@ -34,66 +41,24 @@ from hyserve.stats_logger import LoggingStatLogger
 log = logging.getLogger(__name__)
 
 
-class RequestStream:
-    """The deltas of one request, as an async iterator. Ends after the finishing delta."""
-
-    def __init__(self, client: AsyncEngineClient, request_id: str, arrival_time: float) -> None:
-        self.client = client
-        self.request_id = request_id
-        self.arrival_time = arrival_time
-        self.queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
-        self.accepted = asyncio.get_running_loop().create_future()
-        self.finished = False
-        self.first_token_time: float | None = None
-        self.last_token_time: float | None = None
-        self.num_generated = 0
-
-    def _put(self, delta: RequestDelta) -> None:
-        if not self.accepted.done():
-            if delta.error is not None:
-                self.accepted.set_exception(EngineRequestError(delta.error, delta.bad_request))
-                self.finished = True
-                return
-            self.accepted.set_result(True)
-        if delta.accepted and not delta.completions and not delta.finished:
-            return
-        self.queue.put_nowait(delta)
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestDelta:
-        if self.finished:
-            raise StopAsyncIteration
-        delta = await self.queue.get()
-        if delta.finished:
-            self.finished = True
-        if delta.error is not None and not delta.completions:
-            self.finished = True
-            raise EngineRequestError(delta.error, delta.bad_request)
-        return delta
-
-    def abort(self) -> None:
-        if not self.finished:
-            self.finished = True
-            self.client.abort(self.request_id)
-
-
 class AsyncEngineClient:
     """Starts the engine process and multiplexes its output stream onto per-request streams.
 
     `observer` (optional) gets `on_tokens(stream, n, now)` and `on_finish(stream, reason, now)` calls,
-    which is where the server's latency histograms come from.
+    which is where the server's latency histograms come from. `on_dead(message)` (optional) is called
+    once, on the event loop, when the engine dies.
     """
 
     def __init__(self, cfg: EngineConfig, observer: Any = None) -> None:
         self.cfg = cfg
         self.observer = observer
+        self.on_dead: Callable[[str], None] | None = None
         self.info: dict[str, Any] = {}
         self.stats: dict[str, Any] = {}
         self.dead: str | None = None
         self._streams: dict[str, RequestStream] = {}
-        self._adds_sent = 0
+        # sent, not yet answered by the engine: counted as waiting, and gone with their stream on any end
+        self._unacked: set[str] = set()
         self._proc: mp.process.BaseProcess | None = None
         self._reader: threading.Thread | None = None
         self._closing = False
@@ -117,6 +82,11 @@ class AsyncEngineClient:
             self._stats_task = asyncio.create_task(self.stat_logger.run())
         self._reader = threading.Thread(target=self._read_loop, name="hyserve-engine-reader", daemon=True)
         self._reader.start()
+        threading.Thread(target=self._watch, args=(self._proc,), name="hyserve-engine-watch", daemon=True).start()
+
+    @property
+    def engine_pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
 
     def _wait_ready(self, timeout: float) -> tuple:
         deadline = time.monotonic() + timeout
@@ -140,6 +110,8 @@ class AsyncEngineClient:
         if self._proc.is_alive():
             self._proc.terminate()
             self._proc.join(2.0)
+        # Nobody reads the queue any more: exiting must not wait to flush it into a dead engine's pipe.
+        self._in_q.cancel_join_thread()
         self._proc = None
 
     @property
@@ -147,20 +119,29 @@ class AsyncEngineClient:
         return self.dead is None and self._proc is not None and self._proc.is_alive()
 
     # ---- the output stream --------------------------------------------------------------------------
+    def _watch(self, proc: mp.process.BaseProcess) -> None:
+        """Independent of the reader, which a message cut off by the engine's death could block."""
+        mp.connection.wait([proc.sentinel])  # no reaping here: shutdown() may be joining at the same time
+        if not self._closing:
+            self._loop.call_soon_threadsafe(self._on_dead, f"the engine process exited with code {proc.exitcode}")
+
     def _read_loop(self) -> None:
         while not self._closing:
             try:
                 msg = self._out_q.get(timeout=1.0)
             except queue.Empty:
                 if self._proc is None or not self._proc.is_alive():
-                    if not self._closing:
-                        self._loop.call_soon_threadsafe(self._on_dead, "the engine process exited")
                     return
                 continue
             except (EOFError, OSError):
                 return
             if msg[0] == "step":
-                self._loop.call_soon_threadsafe(self._on_step, msg[1], msg[2])
+                try:
+                    deltas, stats = pickle.loads(msg[1])
+                except Exception as e:  # the protocol itself failed: requests could wait forever
+                    self._loop.call_soon_threadsafe(self._on_dead, f"unreadable message from the engine: {e!r}")
+                    return
+                self._loop.call_soon_threadsafe(self._on_step, deltas, stats)
             elif msg[0] == "dead":
                 self._loop.call_soon_threadsafe(self._on_dead, msg[1])
                 return
@@ -171,6 +152,7 @@ class AsyncEngineClient:
             self.stat_logger.record(stats)
         now = time.time()
         for d in deltas:
+            self._unacked.discard(d.request_id)
             stream = self._streams.get(d.request_id)
             if stream is None:
                 continue
@@ -190,17 +172,22 @@ class AsyncEngineClient:
             stream._put(d)
 
     def _on_dead(self, message: str) -> None:
+        if self.dead is not None or self._closing:
+            return
         log.error("engine died: %s", message)
         self.dead = message
         for stream in list(self._streams.values()):
-            stream._put(RequestDelta(stream.request_id, finished=True, error="the engine died"))
+            stream._fail(EngineDeadError(f"the engine died: {message.strip().splitlines()[-1]}"))
         self._streams.clear()
+        self._unacked.clear()
+        if self.on_dead is not None:
+            self.on_dead(message)
 
     # ---- requests -----------------------------------------------------------------------------------
     @property
     def num_waiting_estimate(self) -> int:
-        """Requests the engine holds in its waiting queue, counting adds it has not read yet."""
-        return int(self.stats.get("num_waiting", 0)) + self._adds_sent - int(self.stats.get("adds_seen", 0))
+        """Requests the engine holds in its waiting queue, counting adds it has not answered yet."""
+        return int(self.stats.get("num_waiting", 0)) + len(self._unacked)
 
     async def submit(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
@@ -212,14 +199,20 @@ class AsyncEngineClient:
         if request_id in self._streams:
             raise EngineRequestError(f"request id '{request_id}' is already in use", bad_request=True)
         stream = RequestStream(self, request_id, arrival_time or time.time())
-        self._streams[request_id] = stream
         req = EngineRequest(request_id, list(prompt_token_ids), params, priority, cache_salt, stream.arrival_time)
-        self._adds_sent += 1
-        self._in_q.put(("add", req))
+        try:
+            payload = pickle.dumps(req, pickle.HIGHEST_PROTOCOL)
+        except Exception as e:  # RecursionError: a value nested too deeply, which the API edge should stop
+            raise EngineRequestError(f"the request could not be handed to the engine: {e}",
+                                     bad_request=isinstance(e, RecursionError)) from e
+        self._streams[request_id] = stream
+        self._unacked.add(request_id)
+        self._in_q.put(("add", request_id, payload))
         try:
             await stream.accepted
         except BaseException:
             self._streams.pop(request_id, None)
+            self._unacked.discard(request_id)
             if not stream.accepted.done() or stream.accepted.cancelled():
                 self.abort(request_id)
             raise
@@ -238,6 +231,7 @@ class AsyncEngineClient:
 
     def abort(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)
+        self._unacked.discard(request_id)
         if stream is not None and self.observer is not None:
             self.observer.on_finish(stream, "abort", time.time())
         if self.is_alive:

@@ -1,13 +1,19 @@
 """The engine core's side of the server/engine split: the messages both sides exchange, and the loop that
 runs in the engine process (`engine_main`). The server side is `engine_client.AsyncEngineClient`.
 
-    server -> engine   ("add", EngineRequest) | ("abort", request_id) | ("shutdown",)
-    engine -> server   ("ready", info) | ("step", [RequestDelta], stats) | ("dead", message)
+    server -> engine   ("add", request_id, pickled EngineRequest) | ("abort", request_id) | ("shutdown",)
+    engine -> server   ("ready", info) | ("step", pickled ([RequestDelta], stats)) | ("dead", message)
 
 One "step" message carries every request's news from one engine step, as the engine emits it (token-id
 deltas per completion, text deltas, logprobs, finish reasons, errors; `LLMEngine.step_deltas`), the loop's
 acceptance acks, and a stats snapshot for /metrics. The loop steps while it has work and blocks on its
 queue when idle, so an idle server burns no CPU.
+
+Requests and steps travel pickled by their sender: a multiprocessing queue pickles in a feeder thread,
+where a failure (a too-deeply nested value, say) silently drops the message and leaves its request
+waiting forever. Pickled up front, a failure belongs to the one request that caused it. Likewise an
+exception while adding, aborting or sending one request fails that request alone; only a failing
+engine step (the engine's own state) ends the loop.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import pickle
 import queue
 import signal
 import time
@@ -92,10 +99,10 @@ def engine_main(cfg: EngineConfig, in_q, out_q) -> None:
 class _EngineLoop:
     def __init__(self, engine, in_q, out_q) -> None:
         self.engine, self.in_q, self.out_q = engine, in_q, out_q
-        self.adds_seen = 0
         self.parent_pid = os.getppid()
 
     def run(self) -> None:
+        self._send_step([])  # the idle gauges, before any request arrives
         while True:
             deltas: list[RequestDelta] = []
             # Block only when idle: a running batch must not wait on the queue.
@@ -106,7 +113,7 @@ class _EngineLoop:
                 self._handle(msg, deltas)
             if self.engine.has_unfinished_requests():
                 deltas += self.engine.step_deltas()
-            self.out_q.put(("step", deltas, self._stats()))
+            self._send_step(deltas)
 
     def _drain(self, block: bool) -> list[tuple]:
         msgs: list[tuple] = []
@@ -126,26 +133,60 @@ class _EngineLoop:
     def _handle(self, msg: tuple, deltas: list[RequestDelta]) -> None:
         kind = msg[0]
         if kind == "abort":
-            self.engine.abort_request(msg[1])
-        elif kind == "add":
-            self.adds_seen += 1
-            req: EngineRequest = msg[1]
             try:
-                params = req.params
-                if params.structured is not None and not hasattr(params.structured, "new_matcher"):
-                    from hyserve.engine.structured import compile_spec
+                self.engine.abort_request(msg[1])
+            except Exception:  # the server has already dropped the request: nobody waits for an error
+                log.exception("aborting request %r failed", msg[1])
+        elif kind == "add":
+            deltas.append(self._add(msg[1], msg[2]))
 
-                    params.structured = compile_spec(
-                        params.structured, self.engine.tokenizer, self.engine.model_config.vocab_size
-                    )
-                self.engine.add_request(
-                    req.request_id, req.prompt_token_ids, params, arrival_time=req.arrival_time,
-                    priority=req.priority, cache_salt=req.cache_salt,
+    def _add(self, request_id: str, payload: bytes) -> RequestDelta:
+        """Queue one request; any failure is that request's error (ValueError: the client's fault)."""
+        try:
+            req: EngineRequest = pickle.loads(payload)
+            _check_text(req)
+            params = req.params
+            if params.structured is not None and not hasattr(params.structured, "new_matcher"):
+                from hyserve.engine.structured import compile_spec
+
+                params.structured = compile_spec(
+                    params.structured, self.engine.tokenizer, self.engine.model_config.vocab_size
                 )
-            except ValueError as e:
-                deltas.append(RequestDelta(req.request_id, finished=True, error=str(e), bad_request=True))
-                return
-            deltas.append(RequestDelta(req.request_id, accepted=True))
+            self.engine.add_request(
+                req.request_id, req.prompt_token_ids, params, arrival_time=req.arrival_time,
+                priority=req.priority, cache_salt=req.cache_salt,
+            )
+        except ValueError as e:  # add_request queued nothing
+            return RequestDelta(request_id, finished=True, error=str(e), bad_request=True)
+        except Exception as e:
+            log.exception("adding request %r failed", request_id)
+            self._drop(request_id)
+            return RequestDelta(request_id, finished=True, error=f"the engine could not add the request: {e!r}")
+        return RequestDelta(req.request_id, accepted=True)
+
+    def _drop(self, request_id: str) -> None:
+        """Free whatever a failed request may hold in the engine."""
+        try:
+            self.engine.abort_request(request_id)
+        except Exception:
+            log.exception("cleaning up request %r failed", request_id)
+
+    def _send_step(self, deltas: list[RequestDelta]) -> None:
+        stats = self._stats()
+        try:
+            payload = pickle.dumps((deltas, stats), pickle.HIGHEST_PROTOCOL)
+        except Exception:  # find the delta that cannot travel and fail its request alone
+            kept = []
+            for d in deltas:
+                try:
+                    pickle.dumps(d, pickle.HIGHEST_PROTOCOL)
+                    kept.append(d)
+                except Exception as e:
+                    log.exception("sending request %r's output failed", d.request_id)
+                    self._drop(d.request_id)
+                    kept.append(RequestDelta(d.request_id, finished=True, error=f"its output could not be sent: {e!r}"))
+            payload = pickle.dumps((kept, stats), pickle.HIGHEST_PROTOCOL)
+        self.out_q.put(("step", payload))
 
     def _stats(self) -> dict[str, Any]:
         stats = dataclasses.asdict(self.engine.stats)
@@ -153,9 +194,20 @@ class _EngineLoop:
         sched = self.engine.scheduler
         stats.update(num_running=len(sched.running), num_waiting=len(sched.waiting),
                      kv_cache_usage=self.engine.kv.usage)
-        stats["adds_seen"] = self.adds_seen
+        stats.update(self.engine.kv.pool_stats)
         stats["time"] = time.time()
         return stats
+
+
+def _check_text(req: EngineRequest) -> None:
+    """Text the engine encodes to bytes (the cache salt, stop strings) must be valid Unicode: a lone
+    surrogate would otherwise fail inside a later engine step, which every running request shares."""
+    for name, text in [("cache_salt", req.cache_salt), *(("stop", s) for s in req.params.stop or ())]:
+        if text is not None:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"{name} is not valid Unicode: {e.reason} at position {e.start}") from e
 
 
 __all__ = [

@@ -230,6 +230,17 @@ class KVCacheManager:
         return self.prefix.queries, self.prefix.hits
 
     @property
+    def pool_stats(self) -> dict[str, int]:
+        """Free and total sizes of the pools: the /metrics gauges that show a leak."""
+        ck = self.checkpoint_slots
+        return {
+            "kv_blocks_free": self.blocks.num_free, "kv_blocks_capacity": self.blocks.num_blocks,
+            "kv_blocks_pinned": len(self.prefix.pinned_blocks), "prefix_cache_checkpoints": ck.num_slots - ck.num_free,
+            "state_slots_free": self.slots.num_free, "state_slots_capacity": self.slots.num_slots,
+            "checkpoint_slots_free": ck.num_free, "checkpoint_slots_capacity": ck.num_slots,
+        }
+
+    @property
     def usage(self) -> float:
         return 1.0 - self.blocks.num_free / max(1, self.blocks.num_blocks)
 

@@ -71,9 +71,9 @@ class AnthropicRoute(APIRoute):
             try:
                 return await handler(request)
             except RequestValidationError as e:
-                from hyserve.entrypoints.openai.server import _validation_message  # the chat path's wording
+                from hyserve.entrypoints.openai.errors import validation_message  # the chat path's wording
 
-                return error_response(400, _validation_message(e)[0])
+                return error_response(400, validation_message(e)[0])
             except APIError as e:
                 status, body, headers = from_api_error(_in_messages_words(e))
                 return JSONResponse(body, status_code=status, headers=headers)

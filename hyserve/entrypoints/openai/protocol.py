@@ -1,21 +1,71 @@
 """Request and response models of the OpenAI-compatible API (docs/ARCHITECTURE.md §8.3).
 
-Unknown request fields are ignored (clients send options meant for other servers); known fields are
-type-checked by pydantic, and range checks live in `SamplingParams`, so both surface as HTTP 400.
-Every known field takes effect or is rejected with a 400/501 naming it, except `user`, which is
-informational only (as in OpenAI's API).
+Unknown request fields are ignored (clients send options meant for other servers). Known fields are
+strictly typed, as in OpenAI's API: `"stream": "yes"`, `"max_tokens": "8"` or `"n": true` are refused,
+not coerced. The value ranges the server enforces are part of the schema (and so of /openapi.json), and
+`limits.check_body` bounds nesting, size and text validity first. Every failure is an HTTP 400; every
+known field takes effect or is rejected with a 400 naming it, except `user`, which is informational only
+(as in OpenAI's API).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+from hyserve.entrypoints.openai.limits import check_body
+from hyserve.sampling_params import MAX_LOGPROBS, MAX_N, SEED_MAX, SEED_MIN
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+class RequestBody(OpenAIModel):
+    """A whole request body: checked against `limits` before its fields are validated."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _within_limits(cls, data: Any) -> Any:
+        return check_body(data)
+
+
+def _integral(value: Any) -> Any:
+    """JSON Schema counts 8.0 as an integer, so the server does too; strings and booleans stay refused."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def integer(**constraints: Any) -> Any:
+    """An int field type: strict (no strings, no booleans), but taking 8.0 for 8 as JSON Schema does.
+    The constraints go before the coercion, so they appear in the JSON schema as minimum/maximum."""
+    return Annotated[int, Field(**constraints), BeforeValidator(_integral)]
+
+
+# Upper bounds known only once the engine runs are filled into /openapi.json by `api_docs` (BOUND_KEY).
+BOUND_KEY = "x-hyserve-bound"
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+TokenId = integer(ge=0, json_schema_extra={BOUND_KEY: "vocab_size"})
+Logprobs = integer(ge=0, le=MAX_LOGPROBS)
+MaxTokens = integer(ge=1, json_schema_extra={BOUND_KEY: "max_model_len"})
+
+
+class ChatMessageParam(OpenAIModel):
+    """One message of a conversation. Other fields (tool_calls, tool_call_id, name, reasoning, ...) pass
+    through to the chat encoder, which checks the conversation as a whole."""
+
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[Any] | None = None
+
+
+def _as_dicts(messages: list[ChatMessageParam]) -> list[dict[str, Any]]:
+    return [m.model_dump(exclude_unset=True) for m in messages]
+
+
+# Validated as messages, handed on as the dicts the chat encoders read.
+Messages = Annotated[list[ChatMessageParam], Field(min_length=1), AfterValidator(_as_dicts)]
 
 
 class StreamOptions(OpenAIModel):
@@ -24,7 +74,7 @@ class StreamOptions(OpenAIModel):
 
 
 class ResponseFormat(OpenAIModel):
-    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    type: Literal["text", "json_object", "json_schema"]
     json_schema: dict[str, Any] | None = None
 
 
@@ -37,66 +87,75 @@ class StructuredOutputs(OpenAIModel):
     grammar: str | None = None
 
 
-class SamplingRequest(OpenAIModel):
+class SamplingRequest(RequestBody):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    n: integer(ge=1, le=MAX_N) = 1
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: integer(ge=-1, description="0 or -1: off") | None = None
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: integer(ge=SEED_MIN, le=SEED_MAX) | None = None
+    stop: NonEmptyStr | list[NonEmptyStr] | None = None
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[str, float] | None = None
-    max_tokens: int | None = None
-    min_tokens: int = 0
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0)
+    logit_bias: dict[Annotated[str, Field(pattern=r"^[0-9]+$")], float] | None = None
+    max_tokens: MaxTokens | None = None
+    min_tokens: integer(ge=0) = 0
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     cache_salt: str | None = None
-    priority: int = 0
+    priority: integer(description="only 0 unless the server runs --scheduling-policy priority") = 0
     skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool | None = None  # only False (hyserve's decoding) is accepted
-    prompt_logprobs: int | None = None
+    spaces_between_special_tokens: bool | None = None  # true only with skip_special_tokens (hyserve's decoding)
+    prompt_logprobs: Logprobs | None = None
     return_token_ids: bool = False
-    truncate_prompt_tokens: int | None = None  # keep the last N prompt tokens; -1: max_model_len
-    best_of: int | None = None  # only None or n: no server-side ranking
+    # keep the last N prompt tokens; -1: max_model_len
+    truncate_prompt_tokens: integer(ge=1) | Literal[-1] | None = None
+    best_of: integer(ge=1, description="only n: completions are not ranked") | None = None
     user: str | None = None  # informational only
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
+    prompt: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)] \
+        | Annotated[list[TokenId], Field(min_length=1)] \
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    logprobs: Logprobs | None = None
     echo: bool = False
-    suffix: str | None = None
+    suffix: str | None = Field(None, max_length=0, description="not supported: leave it out or empty")
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    messages: Messages
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     logprobs: bool = False
-    top_logprobs: int | None = None
-    max_completion_tokens: int | None = None
+    top_logprobs: Logprobs | None = None
+    max_completion_tokens: MaxTokens | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
 
-class TokenizeRequest(OpenAIModel):
+class TokenizeCompletionRequest(RequestBody):
     model: str | None = None
-    prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(RequestBody):
+    model: str | None = None
+    messages: Messages
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
@@ -104,9 +163,13 @@ class TokenizeRequest(OpenAIModel):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class DetokenizeRequest(OpenAIModel):
+# vLLM's shape: a prompt or a conversation.
+TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
+
+
+class DetokenizeRequest(RequestBody):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 # ---- responses --------------------------------------------------------------------------------------
@@ -150,8 +213,8 @@ class ErrorResponse(BaseModel):
 
 ERROR_TYPES = {
     400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
-    500: "InternalServerError",
-    501: "NotImplementedError", 503: "ServiceUnavailableError",
+    413: "RequestTooLargeError", 500: "InternalServerError", 501: "NotImplementedError",
+    503: "ServiceUnavailableError",
 }
 
 

@@ -2,6 +2,11 @@
 
 `build_app(args)` makes the app (the engine process starts in its lifespan); `run_server(args)` serves it
 with uvicorn, which turns SIGINT/SIGTERM into a graceful shutdown that also stops the engine process.
+
+If the engine process dies (killed, out of memory, a kernel fault), in-flight requests fail with a 503,
+/health answers 503, and the server shuts down and exits with status 1 so that its supervisor (systemd,
+Kubernetes, a container runtime) restarts it, as vLLM does: a server without an engine must not sit up
+answering 503 forever.
 """
 
 from __future__ import annotations
@@ -9,23 +14,25 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import hyserve
 from hyserve import envs
 from hyserve.config import DEFAULT_MODEL, EMBEDDED_MODEL_DIR, EMBEDDED_MODEL_NAME, EngineConfig
 from hyserve.engine.engine_client import AsyncEngineClient
-from hyserve.entrypoints.anthropic.protocol import error_body as anthropic_error_body
 from hyserve.entrypoints.anthropic.serving_messages import messages_router
 from hyserve.entrypoints.chat import get_chat_encoder
 from hyserve.entrypoints.engine_args import engine_kwargs_from_args
+from hyserve.entrypoints.openai import api_docs
+from hyserve.entrypoints.openai.errors import install_error_handlers
+from hyserve.entrypoints.openai.middleware import RequestIdAndAuth
 from hyserve.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -33,6 +40,7 @@ from hyserve.entrypoints.openai.protocol import (
     DetokenizeRequest,
     ModelCard,
     ModelList,
+    TokenizeChatRequest,
     TokenizeRequest,
 )
 from hyserve.entrypoints.openai.serving_chat import create_chat_completion
@@ -45,44 +53,7 @@ from hyserve.tokenizer import load_tokenizer, tokenizer_source
 
 log = logging.getLogger("hyserve.server")
 
-# Paths that need the API key; health, version and metrics stay open for probes and scrapers (as vLLM).
-_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 _PARSER_FAMILIES = {"kimi_k3": "k3", "k3": "k3", "kimi_k2": "k2", "k2": "k2"}
-
-
-def _is_anthropic(path: str) -> bool:
-    """Paths of the Anthropic Messages API, whose errors have Anthropic's shape."""
-    return path == "/v1/messages" or path.startswith("/v1/messages/")
-
-
-class RequestIdAndAuth:
-    """ASGI middleware: echo X-Request-Id, and check the API key. Pure ASGI (not BaseHTTPMiddleware),
-    so streaming responses and disconnect detection pass through untouched."""
-
-    def __init__(self, app, api_key: str | None) -> None:
-        self.app, self.api_key = app, api_key
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
-        request_id = headers.get(b"x-request-id")
-        if self.api_key and scope["path"].startswith(_PROTECTED_PREFIXES):
-            auth = headers.get(b"authorization", b"").decode("latin-1")
-            # Anthropic's clients send the key as `x-api-key`, OpenAI's as a bearer token: either will do.
-            if auth != f"Bearer {self.api_key}" and headers.get(b"x-api-key", b"").decode("latin-1") != self.api_key:
-                message = "Invalid or missing API key."
-                body = anthropic_error_body(401, message) if _is_anthropic(scope["path"]) else APIError(401, message).body()
-                extra = {"x-request-id": request_id.decode("latin-1")} if request_id else {}
-                return await JSONResponse(body, status_code=401, headers=extra)(scope, receive, send)
-
-        async def send_with_id(message) -> None:
-            if request_id and message["type"] == "http.response.start":
-                message = dict(message)
-                message["headers"] = list(message.get("headers") or []) + [(b"x-request-id", request_id)]
-            await send(message)
-
-        return await self.app(scope, receive, send_with_id)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -105,18 +76,8 @@ def describe_config(cfg: EngineConfig, info: dict[str, Any]) -> str:
             f"enforce_eager={cfg.enforce_eager} scheduling_policy={cfg.scheduling_policy}")
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    parts, param = [], None
-    for err in exc.errors():
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        if err.get("type") == "json_invalid":
-            return f"Invalid JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}", None
-        param = param or (loc[0] if loc else None)
-        parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')}")
-    return "; ".join(parts) or "invalid request", param
-
-
-def build_app(args: argparse.Namespace) -> FastAPI:
+def build_app(args: argparse.Namespace, on_engine_dead: Callable[[str], None] | None = None) -> FastAPI:
+    """`on_engine_dead(message)` is called once if the engine process dies (run_server exits then)."""
     cfg = engine_config_from_args(args)
     default_name = EMBEDDED_MODEL_NAME if os.path.abspath(cfg.model) == EMBEDDED_MODEL_DIR else cfg.model
     served = getattr(args, "served_model_name", None) or default_name
@@ -127,6 +88,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         client = AsyncEngineClient(cfg)
         metrics = ServerMetrics(served, lambda: client.stats)
         client.observer = metrics
+        client.on_dead = on_engine_dead
         await client.start()
         metrics.set_cache_config(client.info)
         family = client.info["tokenizer_family"]
@@ -153,60 +115,47 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     app = FastAPI(title="hyserve", version=hyserve.__version__, lifespan=lifespan)
     app.add_middleware(RequestIdAndAuth, api_key=args.api_key)
 
+    def bounds() -> dict[str, int] | None:
+        s = holder.get("state")
+        return None if s is None else {"vocab_size": int(s.client.info["vocab_size"]), "max_model_len": s.max_model_len}
+
+    api_docs.install_openapi(app, bounds)
+
     def state() -> ServerState:
         return holder["state"]
 
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+    install_error_handlers(app)
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
-        return JSONResponse(APIError(400, message, param).body(), status_code=400)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        # Routing (404/405) and body-parsing errors (bad UTF-8, nesting too deep) get the OpenAI error
-        # shape too, not FastAPI's {"detail": ...}, so clients can read them like every other error.
-        err = APIError(exc.status_code, str(exc.detail), headers=exc.headers)
-        body = anthropic_error_body(exc.status_code, err.message) if _is_anthropic(request.url.path) else err.body()
-        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
-
-    @app.exception_handler(UnicodeEncodeError)
-    async def _unencodable_text(_: Request, exc: UnicodeEncodeError) -> JSONResponse:
-        # JSON allows escaped lone surrogates ("\ud800"), which no tokenizer can encode: the client's fault.
-        message = f"the request holds text that is not valid Unicode: {exc.reason} at {exc.object[exc.start:exc.end]!r}"
-        return JSONResponse(APIError(400, message).body(), status_code=400)
-
-    @app.exception_handler(Exception)
-    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return JSONResponse(APIError(500, f"{type(exc).__name__}: {exc}").body(), status_code=500)
-
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses=api_docs.HEALTH)
     async def health() -> Response:
-        return Response(status_code=200 if state().client.is_alive else 503)
+        """200 with an empty body while the engine runs (as vLLM); 503 once it has died."""
+        client = state().client
+        if client.is_alive:
+            return Response(status_code=200)
+        err = APIError(503, f"The engine is not running: {client.dead or 'it has stopped'}")
+        return JSONResponse(err.body(), status_code=503)
 
-    @app.get("/version")
+    @app.get("/version", responses=api_docs.json_ok(api_docs.VersionResponse))
     async def version() -> dict:
         return {"version": hyserve.__version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses=api_docs.METRICS)
     async def metrics() -> Response:
         return Response(state().metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses={**api_docs.json_ok(ModelList), **api_docs.errors(401)})
     async def models() -> dict:
         s = state()
         card = ModelCard(id=s.served_model_name, root=s.model_path, max_model_len=s.max_model_len)
         return ModelList(data=[card]).model_dump()
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses={**api_docs.json_ok(api_docs.CompletionResponse, stream=True),
+                                            **api_docs.GENERATE})
     async def completions(req: CompletionRequest, request: Request):
         return await create_completion(state(), req, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses={**api_docs.json_ok(api_docs.ChatCompletionResponse, stream=True),
+                                                 **api_docs.GENERATE})
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         return await create_chat_completion(state(), req, request)
 
@@ -214,26 +163,25 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     app.include_router(messages_router(state))
 
     @app.post("/tokenize")
+    @app.post("/tokenize", responses={**api_docs.json_ok(api_docs.TokenizeResponse), **api_docs.TOKENS})
     async def tokenize(req: TokenizeRequest) -> dict:
         s = state()
         s.check_model(req.model)
-        if req.messages is not None:
+        if isinstance(req, TokenizeChatRequest):
             kwargs = dict(req.chat_template_kwargs or {})
             kwargs.setdefault("add_generation_prompt", req.add_generation_prompt)
             try:
                 ids = get_chat_encoder(s.chat_encoding).encode(s.tokenizer, req.messages, req.tools, **kwargs)
-            except (ValueError, KeyError, TypeError, AttributeError) as e:  # as in chat: malformed messages
+            except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:  # as in chat
                 raise APIError(400, f"invalid messages: {e}", param="messages") from e
-        elif req.prompt is not None:
-            ids = s.tokenizer.encode(req.prompt)
         else:
-            raise APIError(400, "tokenize needs prompt or messages")
+            ids = s.tokenizer.encode(req.prompt)
         out: dict[str, Any] = {"count": len(ids), "max_model_len": s.max_model_len, "tokens": ids}
         if req.return_token_strs:
             out["token_strs"] = [s.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
         return out
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses={**api_docs.json_ok(api_docs.DetokenizeResponse), **api_docs.TOKENS})
     async def detokenize(req: DetokenizeRequest) -> dict:
         s = state()
         s.check_model(req.model)
@@ -250,10 +198,21 @@ def run_server(args: argparse.Namespace) -> None:
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = build_app(args)
+    died: list[str] = []
+
+    def engine_died(message: str) -> None:
+        # In-flight requests already hold their 503; a graceful shutdown lets their responses go out.
+        log.error("the engine process died; shutting down so that a supervisor can restart the server")
+        died.append(message)
+        server.should_exit = True
+
+    app = build_app(args, on_engine_dead=engine_died)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5,
                             access_log=False)
+    server = uvicorn.Server(config)
     try:
-        uvicorn.Server(config).run()
+        server.run()
     except KeyboardInterrupt:  # uvicorn re-raises SIGINT after its graceful shutdown; nothing is left to do
         pass
+    if died:
+        sys.exit(1)

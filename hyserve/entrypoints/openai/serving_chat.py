@@ -214,7 +214,8 @@ def render_chat_prompt(state: ServerState, req: ChatCompletionRequest) -> ChatPr
         kwargs.setdefault("response_format", req.response_format.model_dump(exclude_none=True))
     try:
         ids = encoder.encode(state.tokenizer, req.messages, req.tools or None, **kwargs)
-    except (ValueError, KeyError, TypeError, AttributeError) as e:  # AttributeError: a list where a dict belongs
+    # AttributeError: a list where a dict belongs; RecursionError: tool-call arguments (a JSON string) nested deep
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise APIError(400, f"invalid messages: {e}", param="messages") from e
     ids = truncate_prompt(state, req, ids)
     return ChatPrompt(ids, encoder, kwargs, functions, choice, forced)

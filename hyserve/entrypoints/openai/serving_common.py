@@ -11,9 +11,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
+from pydantic_core import PydanticCustomError
 
 from hyserve.engine.engine_client import AsyncEngineClient, EngineDeadError, EngineRequestError, RequestStream
 from hyserve.engine.structured import StructuredSpec
+from hyserve.entrypoints.openai.limits import check_field
 from hyserve.entrypoints.openai.protocol import APIError, SamplingRequest
 from hyserve.sampling_params import SamplingParams
 
@@ -141,10 +143,7 @@ def structured_constraint(req: SamplingRequest) -> tuple[str, Any] | None:
                            param="structured_outputs")
         kind, value = given[0]
         if kind == "json" and isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise APIError(400, f"structured_outputs.json is not valid JSON: {e}", param="structured_outputs") from e
+            value = _schema_from_text(value)
         return kind, value
     rf = req.response_format
     if rf is None or rf.type == "text":
@@ -157,7 +156,32 @@ def structured_constraint(req: SamplingRequest) -> tuple[str, Any] | None:
             raise APIError(400, "response_format.json_schema.schema must be a JSON schema object",
                            param="response_format")
         return "json", schema
-    raise APIError(501, f"response_format type {rf.type!r} is not supported", param="response_format")
+    raise APIError(400, f"response_format type {rf.type!r} is not supported", param="response_format")
+
+
+def _schema_from_text(text: str) -> Any:
+    """structured_outputs.json given as a string: parsed, then held to the limits the body's JSON is."""
+    try:
+        value = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise APIError(400, f"structured_outputs.json is not valid JSON: {e}", param="structured_outputs") from e
+    try:
+        check_field("structured_outputs", value)
+    except PydanticCustomError as e:
+        raise APIError(400, e.message(), param="structured_outputs") from e
+    return value
+
+
+def api_error(e: Exception) -> APIError:
+    """The HTTP error an engine-side failure means: the client's fault (400), the engine died (503, the
+    server restarts under its supervisor), or an engine failure on this request (500)."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, EngineRequestError):
+        return APIError(400 if e.bad_request else 500, str(e))
+    if isinstance(e, EngineDeadError):
+        return APIError(503, f"The engine is not running: {e}")
+    return APIError(500, f"{type(e).__name__}: {e}")
 
 
 async def submit(state: ServerState, request_id: str, ids: list[int], params: SamplingParams,
@@ -165,10 +189,8 @@ async def submit(state: ServerState, request_id: str, ids: list[int], params: Sa
     check_admission(state)
     try:
         return await state.client.submit(request_id, ids, params, priority=req.priority, cache_salt=req.cache_salt)
-    except EngineRequestError as e:
-        raise APIError(400 if e.bad_request else 500, str(e)) from e
-    except EngineDeadError as e:
-        raise APIError(503, f"The engine is not running: {e}") from e
+    except (EngineRequestError, EngineDeadError) as e:
+        raise api_error(e) from e
 
 
 async def collect(streams: list[RequestStream], request: Request) -> list[list]:
@@ -185,8 +207,8 @@ async def collect(streams: list[RequestStream], request: Request) -> list[list]:
                 return [t.result() for t in tasks]
             if await request.is_disconnected():
                 raise APIError(499, "the client disconnected")
-    except EngineRequestError as e:
-        raise APIError(400 if e.bad_request else 500, str(e)) from e
+    except (EngineRequestError, EngineDeadError) as e:
+        raise api_error(e) from e
     finally:
         for t in tasks:
             t.cancel()
@@ -230,6 +252,5 @@ def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, 
 
 
 def error_event(e: Exception) -> str:
-    status = e.status if isinstance(e, APIError) else 500
-    message = e.message if isinstance(e, APIError) else str(e)
-    return sse(APIError(status, message).body())
+    err = api_error(e)
+    return sse(APIError(err.status, err.message).body())

@@ -110,7 +110,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
         raise APIError(400, "suffix is not supported", param="suffix")
     if req.spaces_between_special_tokens and not req.skip_special_tokens:
         # The detokenizer joins special tokens without spaces; claiming otherwise would lose the request.
-        raise APIError(501, "spaces_between_special_tokens=true is not supported: special tokens are decoded "
+        raise APIError(400, "spaces_between_special_tokens=true is not supported: special tokens are decoded "
                        "without spaces between them", param="spaces_between_special_tokens")
     prompts = []
     for text, ids in normalize_prompts(state, req.prompt):

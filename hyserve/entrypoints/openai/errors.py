@@ -1,0 +1,90 @@
+"""The server's error answers: every one in the OpenAI error shape (`protocol.ErrorResponse`), validation
+errors as 400s whose message names the field ("n must be less than or equal to 16384, got 1000000000")."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hyserve.entrypoints.anthropic.protocol import error_body as anthropic_error_body
+from hyserve.entrypoints.openai.protocol import APIError
+
+log = logging.getLogger("hyserve.server")
+
+
+def _union_member(part: object) -> bool:
+    """A union reports each member it tried (`prompt.str`, `prompt.list[int]`, `TokenizeChatRequest.messages`):
+    names of types, never of fields (the API's fields are snake_case)."""
+    return isinstance(part, str) and (part[:1].isupper() or any(c in part for c in "[-") or part in _TYPE_TAGS)
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """One sentence per error, naming the field: "n must be less than or equal to 16384, got 10**9"."""
+    parts, param = [], None
+    for err in exc.errors():
+        loc = [x for x in err.get("loc", ()) if x != "body" and not _union_member(x)]
+        ctx = err.get("ctx") or {}
+        if err.get("type") == "json_invalid":
+            return f"Invalid JSON body: {ctx.get('error', err.get('msg'))}", None
+        if "param" in ctx:  # a limits.py refusal: its message names the field
+            return str(err.get("msg")), str(ctx["param"])
+        path = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc).lstrip(".") or "body"
+        param = param or (str(loc[0]) if loc else None)
+        msg = str(err.get("msg"))
+        if msg.startswith("Input should be "):
+            value = err.get("input")
+            got = f", got {value!r}" if isinstance(value, (str, int, float, bool)) and len(repr(value)) < 80 else ""
+            parts.append(f"{path} must be {msg[len('Input should be '):]}{got}")
+        else:
+            parts.append(f"{path}: {msg}")
+    return "; ".join(dict.fromkeys(parts)) or "invalid request", param
+
+
+def is_anthropic(path: str) -> bool:
+    """Paths of the Anthropic Messages API, whose errors have Anthropic's shape."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def error_json(path: str, status: int, message: str, headers: dict | None = None) -> JSONResponse:
+    """An error answer in the shape of the API that `path` belongs to."""
+    body = anthropic_error_body(status, message) if is_anthropic(path) else APIError(status, message).body()
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error in the OpenAI shape: FastAPI's own (validation, routing, body parsing) included."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(exc)
+        return JSONResponse(APIError(400, message, param).body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Routing (404/405) and body-parsing errors (bad UTF-8, nesting too deep) get the API's error
+        # shape too, not FastAPI's {"detail": ...}, so clients can read them like every other error.
+        err = APIError(exc.status_code, str(exc.detail), headers=exc.headers)
+        body = anthropic_error_body(exc.status_code, err.message) if is_anthropic(request.url.path) else err.body()
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(UnicodeEncodeError)
+    async def _unencodable_text(_: Request, exc: UnicodeEncodeError) -> JSONResponse:
+        # JSON allows escaped lone surrogates ("\ud800"), which no tokenizer can encode: the client's fault.
+        message = f"the request holds text that is not valid Unicode: {exc.reason} at {exc.object[exc.start:exc.end]!r}"
+        return JSONResponse(APIError(400, message).body(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return JSONResponse(APIError(500, f"{type(exc).__name__}: {exc}").body(), status_code=500)
