@@ -16,6 +16,7 @@ import pytest
 
 from hyserve import SamplingParams
 from hyserve.engine.engine_core import EngineRequest, RequestDelta, _EngineLoop
+from hyserve.engine.output_processor import ParentRequest
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
@@ -120,27 +121,25 @@ def test_an_exception_while_aborting_leaves_the_loop_running(harness, monkeypatc
 
 
 def test_an_exception_in_one_requests_output_fails_it_alone(harness, monkeypatch):
-    loop = harness.loop
-    real_delta = loop._delta
+    real_delta = ParentRequest.delta
 
-    def delta(out):
-        if out.request_id == "bad":
+    def delta(parent):
+        if parent.request_id == "bad":
             raise RuntimeError("cannot report")
-        return real_delta(out)
+        return real_delta(parent)
 
-    monkeypatch.setattr(loop, "_delta", delta)
+    monkeypatch.setattr(ParentRequest, "delta", delta)
     assert "cannot report" in harness.bad_beside_good()
 
 
 def test_an_output_that_cannot_be_sent_fails_that_request_alone(harness, monkeypatch):
-    loop = harness.loop
-    real_delta = loop._delta
+    real_delta = ParentRequest.delta
 
-    def delta(out):
-        d = real_delta(out)
-        if d is not None and out.request_id == "bad":
+    def delta(parent):
+        d = real_delta(parent)
+        if d is not None and parent.request_id == "bad":
             d.prompt_logprobs = [lambda: None]  # not picklable
         return d
 
-    monkeypatch.setattr(loop, "_delta", delta)
+    monkeypatch.setattr(ParentRequest, "delta", delta)
     assert "could not be sent" in harness.bad_beside_good()

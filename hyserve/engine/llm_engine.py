@@ -418,6 +418,17 @@ class LLMEngine:
         return rows
 
     # ---- outputs ---------------------------------------------------------------------------------
+    def _delta_of(self, parent: ParentRequest) -> RequestDelta | None:
+        """The parent's delta; a failure to build it (one request's data) fails that request alone."""
+        try:
+            return parent.delta()
+        except Exception as e:
+            log.exception("reporting request %r failed", parent.request_id)
+            for child in parent.children:
+                if not child.is_finished:
+                    self.scheduler.finish(child, RequestStatus.FINISHED_ERROR)
+            return RequestDelta(parent.request_id, finished=True, error=f"the engine failed on this request: {e!r}")
+
     def _deltas(self, touched: set[Request]) -> list[_Emitted]:
         """Each touched request's delta; a finished request leaves the engine with it."""
         seen, outs = set(), []
@@ -427,7 +438,7 @@ class LLMEngine:
             if parent is None or rid in seen:
                 continue
             seen.add(rid)
-            d = parent.delta()
+            d = self._delta_of(parent)
             if d is not None:
                 outs.append((parent, d))
                 if d.finished:
