@@ -14,8 +14,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from hyserve.engine.structured import StructuredSpec
-from hyserve.entrypoints.chat import get_chat_encoder
-from hyserve.entrypoints.chat.tool_calls import Delta, make_output_parser
+from hyserve.entrypoints.chat import ChatEncoder, chat_output_parser, get_chat_encoder
+from hyserve.entrypoints.chat.tool_calls import Delta
 from hyserve.entrypoints.openai.forced_tools import forced_tool_call_spec
 from hyserve.entrypoints.openai.protocol import APIError, ChatCompletionRequest
 from hyserve.entrypoints.openai.serving_common import (
@@ -135,10 +135,10 @@ class _StopTrim:
 class _Completion:
     """Per-choice state while a chat completion runs."""
 
-    def __init__(self, state: ServerState, opens_thinking: bool, tools_enabled: bool,
-                 stop: _StopTrim | None = None) -> None:
-        self.parser = make_output_parser(state.chat_encoding, state.tokenizer,
-                                         prompt_opens_thinking=opens_thinking, tools_enabled=tools_enabled)
+    def __init__(self, state: ServerState, encoder: ChatEncoder, kwargs: dict[str, Any], tool_names: list[str],
+                 tools_enabled: bool, stop: _StopTrim | None = None) -> None:
+        self.parser = chat_output_parser(encoder, state.tokenizer, kwargs, tool_names=tool_names,
+                                         tools_enabled=tools_enabled)
         self.ids: list[int] = []
         self.logprobs: list[dict] = []
         self.finish: str | None = None
@@ -204,7 +204,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     stream = await submit(state, rid, ids, params, req)
     tools_enabled = bool(functions) and choice != "none"
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    comps = [_Completion(state, opens_thinking, tools_enabled, _StopTrim(stops, req.include_stop_str_in_output))
+    names = [f["name"] for f in functions]
+    comps = [_Completion(state, encoder, kwargs, names, tools_enabled, _StopTrim(stops, req.include_stop_str_in_output))
              for _ in range(req.n)]
     created = int(time.time())
     if req.stream:
