@@ -240,16 +240,28 @@ def tool_messages(sym: Symbol, rng: random.Random, *, complete: bool = True) -> 
 
 # --- encoding with a loss mask ---------------------------------------------------------------------
 
+def _tag_end(segments: Sequence[Segment], i: int) -> int:
+    """Index just past the `<|sep|>` that ends the tag opened at segments[i]."""
+    while not (segments[i].allow_special and segments[i].text == SEP):
+        i += 1
+    return i + 1
+
+
+def _opens_assistant_turn(segments: Sequence[Segment], i: int) -> bool:
+    texts = [s.text for s in segments[i : i + 5]]
+    return segments[i].allow_special and texts[:2] == [OPEN, "message"] and texts[2:] == [" role", '="', "assistant"]
+
+
 def assistant_flags(segments: Sequence[Segment]) -> list[bool]:
     """Per segment: True for what the model generates after the generation prompt
     (`<|open|>message role="assistant"<|sep|><|open|>think<|sep|>`), up to and including <|end_of_msg|>."""
     flags: list[bool] = []
     inside, i = False, 0
     while i < len(segments):
-        texts = [s.text for s in segments[i : i + 4]]
-        if not inside and texts == [OPEN, "message", ' role="assistant"', SEP]:
-            flags += [False] * 7  # the header and the channel opener are the prompt's
-            inside, i = True, i + 7
+        if not inside and _opens_assistant_turn(segments, i):
+            start = _tag_end(segments, _tag_end(segments, i))  # the header and the channel opener
+            flags += [False] * (start - i)
+            inside, i = True, start
             continue
         flags.append(inside)
         if inside and segments[i].text == END_OF_MSG and segments[i].allow_special:
