@@ -75,11 +75,13 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(
-        self, cfg: EngineConfig, model=None, tokenizer: Tokenizer | None = None, *, cuda_graphs: bool | None = None
+        self, cfg: EngineConfig, model=None, tokenizer: Tokenizer | None = None, *, cuda_graphs: bool | None = None,
+        skip_tokenizer_init: bool = False,
     ):
         """`cuda_graphs`: None = capture decode graphs on CUDA unless cfg.enforce_eager (vLLM's default;
         HYSERVE_CUDA_GRAPHS=0 turns them off too). True on the CPU runs decode steps through the same
-        static, padded buffers without a graph: for tests of that path."""
+        static, padded buffers without a graph: for tests of that path. `skip_tokenizer_init` (vLLM's):
+        load no tokenizer; prompts are token ids and outputs carry token ids, with empty text."""
         self.cfg = cfg
         device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
         torch.manual_seed(cfg.seed)
@@ -88,9 +90,10 @@ class LLMEngine:
         self.device = self.model.device
         if cfg.async_scheduling is None:
             cfg.async_scheduling = self.device.type == "cuda"
-        self.tokenizer = tokenizer or load_tokenizer(
-            cfg.tokenizer or (cfg.model if os.path.isdir(cfg.model) else None), self.model_config.tokenizer_family
-        )
+        self.tokenizer = tokenizer
+        if tokenizer is None and not skip_tokenizer_init:
+            path = cfg.tokenizer or (cfg.model if os.path.isdir(cfg.model) else None)
+            self.tokenizer = load_tokenizer(path, self.model_config.tokenizer_family)
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(cfg.max_model_len or limit, limit)
         cache_dtype = self.model.dtype if cfg.kv_cache_dtype == "auto" else resolve_dtype(cfg.kv_cache_dtype, self.model_config)
@@ -111,7 +114,8 @@ class LLMEngine:
             graphs.capture()  # after the cache is allocated: graphs take what memory is left
         self.runner = ModelRunner(self.model, self.kv, graphs)
         self.sampler = Sampler()
-        self.eos_token_ids = list(self.model_config.eos_token_ids) or [self.tokenizer.eos_token_id]
+        tokenizer_eos = [self.tokenizer.eos_token_id] if self.tokenizer is not None else []
+        self.eos_token_ids = list(self.model_config.eos_token_ids) or tokenizer_eos
         self.parents: dict[str, _Parent] = {}
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
@@ -159,6 +163,9 @@ class LLMEngine:
         bad_stops = [t for t in params.stop_token_ids or () if not 0 <= t < vocab]
         if bad_stops:
             raise ValueError(f"stop_token_ids out of range [0, {vocab}): {bad_stops[:5]}")
+        if params.stop and not self._detokenizes(params):
+            raise ValueError("stop strings need detokenized text: this request (detokenize=False or an engine "
+                             "without a tokenizer) has none; use stop_token_ids")
         if params.top_k >= vocab:
             # Keeping the whole vocabulary is "off"; a huge k (2**70) would not even fit the int64 tensor.
             params = dataclasses.replace(params, top_k=0)
@@ -174,7 +181,8 @@ class LLMEngine:
                 child.generator = torch.Generator(device=self.device).manual_seed(params.seed + i)
             child.extra["index"] = i
             child.extra["parent"] = request_id
-            child.extra["detok"] = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+            child.extra["detok"] = (IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+                                    if self._detokenizes(params) else None)
             child.extra["text"] = ""
             parent.children.append(child)
             self.scheduler.add(child)
@@ -189,10 +197,16 @@ class LLMEngine:
             else:
                 raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer, and this engine has none (skip_tokenizer_init=True): "
+                                 "pass token ids, e.g. {'prompt_token_ids': [...]}")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)
         raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
+
+    def _detokenizes(self, params: SamplingParams) -> bool:
+        return params.detokenize and self.tokenizer is not None
 
     def abort_request(self, request_id: str) -> None:
         parent = self.parents.get(request_id)
@@ -380,7 +394,8 @@ class LLMEngine:
             structured = req.extra.get("matcher")
             if structured is not None:
                 structured.accept(tok)
-            req.extra["text"] += req.extra["detok"].step(tok)
+            if req.extra["detok"] is not None:
+                req.extra["text"] += req.extra["detok"].step(tok)
             self._check_stop(req, tok)
 
     def _allowed_mask(self, reqs: list[Request], logits: torch.Tensor) -> torch.Tensor | None:
@@ -396,6 +411,8 @@ class LLMEngine:
         return mask
 
     def _decode_logprobs(self, rows: list[dict[int, Logprob]]) -> list[dict[int, Logprob]]:
+        if self.tokenizer is None:
+            return rows  # no tokenizer: decoded_token stays None, as in vLLM
         for row in rows:
             for tid, lp in row.items():
                 lp.decoded_token = self.tokenizer.decode([tid], skip_special_tokens=False)
@@ -413,8 +430,8 @@ class LLMEngine:
         elif len(req.output_token_ids) >= req.max_tokens or req.num_known_tokens >= self.max_model_len:
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
-            if not isinstance(req.stop_reason, str):  # a stop string already cut the text
-                req.extra["text"] += req.extra["detok"].finish()
+            if not isinstance(req.stop_reason, str) and req.extra["detok"] is not None:
+                req.extra["text"] += req.extra["detok"].finish()  # (a stop string already cut the text)
             req.metrics.finished_time = time.time()
             self.scheduler.finish(req, status)
 
