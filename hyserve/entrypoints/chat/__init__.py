@@ -28,8 +28,6 @@ class ChatEncoder(Protocol):
         """Whether the completion starts inside reasoning (the output parser and the grammar start there)."""
         ...
 
-    def model_opens_thinking(self, **kwargs: Any) -> bool: ...
-
 
 def thinking_enabled(kwargs: dict[str, Any], default: bool) -> bool:
     """`thinking` or `enable_thinking` switch thinking (a bool, or Moonshot's `{"type": "enabled"}` /
@@ -83,10 +81,6 @@ class K3ChatEncoder:
             return False
         return bool(kwargs.get("add_generation_prompt", True)) and thinking_enabled(kwargs, default=True)
 
-    def model_opens_thinking(self, **kwargs: Any) -> bool:
-        """Whether the model may open a think channel itself (never: the prompt decides)."""
-        return False
-
 
 class K2ChatEncoder:
     family = "k2"
@@ -119,10 +113,6 @@ class K2ChatEncoder:
         everything before `</think>` is reasoning (vLLM's kimi_k2 parser reads K2 output the same way)."""
         if kwargs.get("continue_final_message"):
             return False
-        return bool(kwargs.get("add_generation_prompt", True)) and thinking_enabled(kwargs, default=False)
-
-    def model_opens_thinking(self, **kwargs: Any) -> bool:
-        """Whether a K2-Thinking model may start its answer with `<think>` (thinking requested)."""
         return bool(kwargs.get("add_generation_prompt", True)) and thinking_enabled(kwargs, default=False)
 
 

@@ -13,10 +13,9 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from hyserve.engine.structured import StructuredSpec
 from hyserve.entrypoints.chat import ChatEncoder, chat_output_parser, get_chat_encoder
 from hyserve.entrypoints.chat.tool_calls import Delta
-from hyserve.entrypoints.openai.forced_tools import forced_tool_call_spec
+from hyserve.entrypoints.openai.forced_tools import forced_tool_call_spec, response_format_spec
 from hyserve.entrypoints.openai.protocol import APIError, ChatCompletionRequest
 from hyserve.entrypoints.openai.serving_common import (
     ServerState,
@@ -180,17 +179,13 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     except (ValueError, KeyError, TypeError, AttributeError) as e:  # AttributeError: a list where a dict belongs
         raise APIError(400, f"invalid messages: {e}", param="messages") from e
     ids = truncate_prompt(state, req, ids)
-    opens_thinking = encoder.prompt_opens_thinking(**kwargs)
     stop_ids = encoder.stop_token_ids(state.tokenizer)
-    k3 = state.chat_encoding == "k3"
-    reasoning = state.chat_encoding if opens_thinking else None
     spec = None
     if choice == "required":
         spec = forced_tool_call_spec(encoder, state.tokenizer, forced, req.messages,
                                      parallel=req.parallel_tool_calls, kwargs=kwargs)
     elif (constraint := structured_constraint(req)) is not None:
-        spec = StructuredSpec(constraint[0], constraint[1], wrapper="k3" if k3 else None,
-                              open_response=opens_thinking, reasoning=reasoning, end_token_ids=stop_ids)
+        spec = response_format_spec(encoder, state.tokenizer, constraint[0], constraint[1], kwargs)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = resolve_max_tokens(state, len(ids), requested, None)
     if req.top_logprobs is not None and not req.logprobs:
