@@ -115,3 +115,24 @@ def test_loading_a_sharded_checkpoint_shows_a_progress_bar(capsys):
 
     load_model(EMBEDDED_MODEL_DIR)
     assert "Loading safetensors checkpoint shards: 100%" in capsys.readouterr().err
+
+
+def test_a_live_server_answers_json_schema_with_thinking_on_after_its_reasoning(client):
+    schema = {"type": "object", "properties": {"symbol": {"type": "string", "maxLength": 40}},
+              "required": ["symbol"], "additionalProperties": False}
+    r = client.chat.completions.create(
+        model="hyserve-tiny-k3", messages=[{"role": "user", "content": "What does json.dumps do?"}], temperature=0,
+        max_tokens=160, response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.model_extra.get("reasoning")
+    value = json.loads(choice.message.content)
+    assert set(value) == {"symbol"} and len(value["symbol"]) <= 40
+
+
+def test_a_live_server_forced_tool_call_with_thinking_on_names_the_symbol(client):
+    r = client.chat.completions.create(
+        model="hyserve-tiny-k3", messages=[{"role": "user", "content": "What does json.dumps do?"}],
+        tools=[LOOKUP_TOOL_API], tool_choice="required", temperature=0, max_tokens=96)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.model_extra.get("reasoning")
+    assert json.loads(choice.message.tool_calls[0].function.arguments) == {"name": "json.dumps"}
