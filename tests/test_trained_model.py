@@ -136,3 +136,30 @@ def test_a_live_server_forced_tool_call_with_thinking_on_names_the_symbol(client
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.model_extra.get("reasoning")
     assert json.loads(choice.message.tool_calls[0].function.arguments) == {"name": "json.dumps"}
+
+
+# ---- what the model says about itself, and natural tool requests (need the retrained checkpoint) ------
+
+
+@pytest.mark.parametrize("tools", [False, True], ids=["no-tools", "lookup-tool"])
+def test_hello_who_are_you_is_answered_with_what_the_model_is_and_can_do(llm, tools):
+    from hyserve import SamplingParams
+    from hyserve.entrypoints.chat.k3_encoding import encode_k3
+    from hyserve.entrypoints.chat.tool_calls import make_output_parser
+    from hyserve.train.data import LOOKUP_TOOL
+    from hyserve.train.evaluate import identity_reply_ok
+
+    tok = llm.get_tokenizer()
+    prompt = encode_k3(tok, [{"role": "user", "content": "Hello! Who are you?"}], [LOOKUP_TOOL] if tools else None)
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=96, skip_special_tokens=False),
+                       use_tqdm=False)[0].outputs[0]
+    parsed = make_output_parser("k3", tok, prompt_opens_thinking=True, tools_enabled=True).parse(out.token_ids)
+    assert out.finish_reason == "stop" and identity_reply_ok(parsed.content or "", bool(parsed.tool_calls)), parsed
+
+
+def test_natural_tool_requests_name_the_right_common_symbol_at_least_80_percent_of_the_time():
+    from hyserve import LLM
+    from hyserve.train.evaluate import tool_phrasing_rate
+
+    rate = tool_phrasing_rate(LLM(max_num_seqs=100))
+    assert rate >= 0.8, f"{rate:.0%} of 'Use lookup_symbol to find out what X does.'-style requests named X"
