@@ -122,3 +122,12 @@ def test_mask_is_a_bool_vector_over_the_vocab():
     mask = compile_spec(StructuredSpec("json", None, end_token_ids=END), TOK, VOCAB).new_matcher().allowed_mask(VOCAB)
     assert mask.dtype == torch.bool and mask.shape == (VOCAB,)
     assert mask.nonzero().flatten().tolist() == [ord("{")]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_constrained_text_is_valid_utf8_across_token_boundaries(seed):
+    ids = walk(StructuredSpec("json", {"type": "array", "items": {"type": "string", "maxLength": 3},
+                                       "minItems": 4, "maxItems": 4}, end_token_ids=END), seed)
+    raw = TOK.ids_to_bytes(ids[:-1])
+    raw.decode("utf-8")  # strict: a surrogate or an overlong form would raise
+    assert all(len(s) <= 3 for s in json.loads(raw))

@@ -165,6 +165,29 @@ def implied_types(node: dict) -> list[str]:
     return [t for t, keys in TYPE_KEYWORDS.items() if keys & set(node)]
 
 
+def optional_groups_as_repeats(pattern: str) -> str:
+    """`(...)?` spelled `(...){0,1}`: in JSON strings xgrammar drops the first element of an optional group that holds a
+    repetition (`a(?:c[0-9]+)?b` takes "a9b"), and the same group as {0,1} is exact."""
+    out, in_class, i = [], False, 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+        elif c == ")" and pattern[i + 1:i + 2] == "?":
+            out.append("){0,1}")
+            i += 2
+            continue
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
 def resolve_ref(ref: str, root: Any) -> Any:
     """The schema a local `$ref` ('#', '#/$defs/X', any JSON pointer into `root`) points at, or None."""
     if ref == "#":
@@ -238,9 +261,7 @@ def grammar_schema(schema: Any) -> Any:
     if schema.get("format") in FORMAT_PATTERNS:
         out["pattern"] = FORMAT_PATTERNS[out.pop("format")]
     if isinstance(out.get("pattern"), str):
-        # xgrammar drops the first element of an optional group that holds a repetition (`(?:c[0-9]+)?`
-        # takes "9"); the same group as {0,1} is exact.
-        out["pattern"] = out["pattern"].replace(")?", "){0,1}")
+        out["pattern"] = optional_groups_as_repeats(out["pattern"])
     if len(implied := implied_types(schema)) == 1:
         out["type"] = implied[0]  # a value of that type meeting the keywords satisfies the untyped schema
     # xgrammar reads a missing `items` / `additionalProperties` as false (fine: fewer values, all valid),

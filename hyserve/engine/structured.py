@@ -110,7 +110,7 @@ class GrammarBackend:
         controls = [t for t, data in enumerate(vocab) if t not in marker_ids and any(b < 0x20 and b not in b"\n\r"
                                                                                   for b in data)]
         self.control_ids = torch.tensor(controls, dtype=torch.long)
-        self.first_bytes = first_bytes(tokenizer, vocab_size, marker_ids)
+        self.first_bytes = first_bytes(vocab, marker_ids)
         stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         self.grammar_stop_ids = stop
         info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stop)

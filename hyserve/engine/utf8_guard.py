@@ -22,19 +22,10 @@ for _b in range(0xF0, 0xF5):
     _LEADS[_b] = (3, 0x90 if _b == 0xF0 else 0x80, 0x8F if _b == 0xF4 else 0xBF)
 
 
-def first_bytes(tokenizer, vocab_size: int, skip: set[int]) -> torch.Tensor:
-    """Per token id, its first byte; -1 for tokens with no bytes and for the ids in `skip`."""
-    out = torch.full((vocab_size,), -1, dtype=torch.int16)
-    for tid in range(vocab_size):
-        if tid in skip or tid in tokenizer.special_token_ids:
-            continue
-        try:
-            data = tokenizer.token_bytes(tid)
-        except (IndexError, KeyError):
-            continue
-        if data:
-            out[tid] = data[0]
-    return out
+def first_bytes(vocab: list[bytes], skip: set[int]) -> torch.Tensor:
+    """Per token id, the first of its bytes; -1 for tokens with no bytes and for the ids in `skip`."""
+    return torch.tensor([data[0] if data and tid not in skip else -1 for tid, data in enumerate(vocab)],
+                        dtype=torch.int16)
 
 
 class Utf8Guard:
