@@ -3,46 +3,34 @@
 xgrammar turns a schema into a grammar but skips some keywords, sometimes with only a log line (a
 `multipleOf` on a number, `minLength` beside `pattern`, a lookahead in a pattern) and sometimes silently
 (`uniqueItems`, `not`, `if`/`then`/`else`, unknown `format`s, a `required` key with no property); some of
-its format grammars are looser than the formats (`date` takes Feb 31, `ipv4` leading zeros), and its
-regex path emits pattern characters unescaped. A structured-output request must get what its schema says,
-so `check_schema` refuses, naming the keyword and where it is, what the grammar would not enforce, and
-`grammar_schema` rewrites what it enforces only through another spelling (formats as exact patterns). The
-supported set is what tests/test_json_schema_corpus.py samples and validates with `jsonschema`.
+its format grammars are looser than the formats, and its regex path emits pattern characters unescaped. A
+structured-output request must get what its schema says, so `check_schema` refuses, naming the keyword and
+where it is, what the grammar would not enforce (json_schema_rewrite.py spells the rest the way xgrammar
+enforces exactly). The supported set is what tests/test_json_schema_corpus.py samples and validates with
+`jsonschema`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-# Keywords that assert nothing: validators ignore them, so may the grammar.
-ANNOTATIONS = frozenset({
-    "title", "description", "default", "examples", "$comment", "$schema", "$id", "$anchor", "deprecated",
-    "readOnly", "writeOnly", "contentEncoding", "contentMediaType", "contentSchema", "discriminator",
-})
+# Keywords not listed anywhere here assert nothing the grammar must know (annotations such as `title`,
+# `description`, `default`, `examples`, unknown vendor keywords): validators ignore them too.
 # Standard assertions and applicators the grammar does not enforce: refused wherever they appear.
 UNENFORCED = frozenset({
     "not", "if", "then", "else", "contains", "minContains", "maxContains", "uniqueItems", "dependentRequired",
     "dependentSchemas", "dependencies", "unevaluatedProperties", "unevaluatedItems", "additionalItems",
     "$dynamicRef", "$dynamicAnchor", "$recursiveRef", "$recursiveAnchor", "$vocabulary",
 })
-_DATE = (r"(?:(?:[0-9]{3}[1-9]|[0-9]{2}[1-9]0|[0-9][1-9]00|[1-9]000)-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])"
-         r"|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-8]))"
-         r"|(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)-02-29)")
-_TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:[.][0-9]{1,9})?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
-_OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
-# Formats whose xgrammar grammar is looser than the format, spelled as exact patterns instead.
-FORMAT_PATTERNS = {
-    "date": f"^{_DATE}$", "time": f"^{_TIME}$", "date-time": f"^{_DATE}T{_TIME}$",
-    "ipv4": rf"^(?:{_OCTET}[.]){{3}}{_OCTET}$",
-}
-# Formats xgrammar's own grammars enforce exactly.
-GRAMMAR_FORMATS = frozenset({"email", "uuid", "ipv6", "uri", "uri-reference", "duration", "json-pointer"})
-FORMATS = GRAMMAR_FORMATS | set(FORMAT_PATTERNS)
+# String formats the grammar enforces: xgrammar's own grammars, and (json_schema_rewrite.py) exact patterns
+# for those its grammars take too loosely (`date` takes Feb 31, `ipv4` leading zeros).
+FORMATS = frozenset({"email", "uuid", "ipv6", "uri", "uri-reference", "duration", "json-pointer",
+                     "date", "time", "date-time", "ipv4"})
 
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SCHEMA_VALUES = ("additionalProperties", "propertyNames", "items", "not", "if", "then", "else", "contains",
-                  "unevaluatedProperties", "unevaluatedItems", "additionalItems")
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+SCHEMA_VALUES = ("additionalProperties", "propertyNames", "items", "not", "if", "then", "else", "contains",
+                 "unevaluatedProperties", "unevaluatedItems", "additionalItems")
 _RANGE = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 # Keywords that constrain one JSON type: xgrammar applies them only when the schema names that type.
 TYPE_KEYWORDS = {
@@ -74,13 +62,13 @@ def subschemas(node: Any, path: str = "#"):
     yield path, node
     if not isinstance(node, dict):
         return
-    for key in _SCHEMA_MAPS:
+    for key in SCHEMA_MAPS:
         for name, sub in (node.get(key) or {}).items():
             yield from subschemas(sub, f"{path}/{key}/{name}")
-    for key in _SCHEMA_LISTS:
+    for key in SCHEMA_LISTS:
         for i, sub in enumerate(node.get(key) or []):
             yield from subschemas(sub, f"{path}/{key}/{i}")
-    for key in _SCHEMA_VALUES:
+    for key in SCHEMA_VALUES:
         sub = node.get(key)
         if isinstance(sub, list):
             for i, item in enumerate(sub):
@@ -165,29 +153,6 @@ def implied_types(node: dict) -> list[str]:
     return [t for t, keys in TYPE_KEYWORDS.items() if keys & set(node)]
 
 
-def optional_groups_as_repeats(pattern: str) -> str:
-    """`(...)?` spelled `(...){0,1}`: in JSON strings xgrammar drops the first element of an optional group that holds a
-    repetition (`a(?:c[0-9]+)?b` takes "a9b"), and the same group as {0,1} is exact."""
-    out, in_class, i = [], False, 0
-    while i < len(pattern):
-        c = pattern[i]
-        if c == "\\":
-            out.append(pattern[i:i + 2])
-            i += 2
-            continue
-        if in_class:
-            in_class = c != "]"
-        elif c == "[":
-            in_class = True
-        elif c == ")" and pattern[i + 1:i + 2] == "?":
-            out.append("){0,1}")
-            i += 2
-            continue
-        out.append(c)
-        i += 1
-    return "".join(out)
-
-
 def resolve_ref(ref: str, root: Any) -> Any:
     """The schema a local `$ref` ('#', '#/$defs/X', any JSON pointer into `root`) points at, or None."""
     if ref == "#":
@@ -246,28 +211,3 @@ def _pairwise_disjoint(branches: list, root: Any) -> bool:
                 continue  # a discriminated union: a required tag property tells the branches apart
             return False
     return True
-
-
-def grammar_schema(schema: Any) -> Any:
-    """`schema` as handed to xgrammar: formats it enforces loosely become their exact patterns."""
-    if isinstance(schema, list):
-        return [grammar_schema(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: grammar_schema(v) if k in _SCHEMA_VALUES or k in _SCHEMA_LISTS else v for k, v in schema.items()}
-    for key in _SCHEMA_MAPS:
-        if isinstance(schema.get(key), dict):
-            out[key] = {name: grammar_schema(sub) for name, sub in schema[key].items()}
-    if schema.get("format") in FORMAT_PATTERNS:
-        out["pattern"] = FORMAT_PATTERNS[out.pop("format")]
-    if isinstance(out.get("pattern"), str):
-        out["pattern"] = optional_groups_as_repeats(out["pattern"])
-    if len(implied := implied_types(schema)) == 1:
-        out["type"] = implied[0]  # a value of that type meeting the keywords satisfies the untyped schema
-    # xgrammar reads a missing `items` / `additionalProperties` as false (fine: fewer values, all valid),
-    # so a lower bound past the declared ones would fail to compile: there they mean "any".
-    if out.get("minItems", 0) > len(out.get("prefixItems") or []) and "items" not in out:
-        out["items"] = True
-    if out.get("minProperties", 0) > len(out.get("properties") or {}) and "additionalProperties" not in out:
-        out["additionalProperties"] = True
-    return out

@@ -4,7 +4,7 @@ The server builds a `StructuredSpec` — picklable data — and puts it in `Samp
 engine process compiles it (`compile_spec`) into an object whose `new_matcher()` gives one matcher per
 completion, with the `allowed_mask(vocab_size)` / `accept(token_id)` interface `LLMEngine` calls.
 
-Every JSON-schema keyword is enforced or refused (json_schema_support.py), and the grammar covers the whole
+Every JSON-schema keyword is enforced or refused (json_schema_support.py, json_schema_rewrite.py), and the grammar covers the whole
 assistant turn, reasoning included (grammar_formats.py): a constrained completion that stops has the
 answer its constraint describes.
 """
@@ -26,7 +26,8 @@ from hyserve.engine.grammar_formats import (
     sequence,
     think_block,
 )
-from hyserve.engine.json_schema_support import check_schema, grammar_schema
+from hyserve.engine.json_schema_rewrite import grammar_schema
+from hyserve.engine.json_schema_support import check_schema
 from hyserve.engine.k3_tool_grammar import k3_calls_format
 from hyserve.engine.utf8_guard import Utf8Guard, first_bytes
 
