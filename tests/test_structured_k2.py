@@ -179,3 +179,20 @@ def test_live_chat_completion_with_required_tool_choice_returns_a_tool_call():
     fn = {f["name"]: f for f in FUNCTIONS}[call["function"]["name"]]
     assert call["id"] == f"functions.{fn['name']}:0" and call["type"] == "function"
     assert matches_schema(json.loads(call["function"]["arguments"]), fn)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_json_answer_with_thinking_on_ends_only_after_its_think_block_and_the_json(seed):
+    from hyserve.entrypoints.chat import chat_output_parser
+    from hyserve.entrypoints.openai.forced_tools import response_format_spec
+
+    kwargs = {"add_generation_prompt": True, "thinking": True}
+    schema = PICK["parameters"]
+    matcher = compile_spec(response_format_spec(K2, TOK, "json", schema, kwargs), TOK, VOCAB).new_matcher()
+    rng, ids = random.Random(seed), []
+    while not ids or ids[-1] not in K2.stop_token_ids(TOK):
+        assert len(ids) < 3000, "the walk never ended"
+        ids.append(rng.choice(allowed(matcher)))
+        matcher.accept(ids[-1])
+    parsed = chat_output_parser(K2, TOK, kwargs, tool_names=None).parse(ids)
+    assert ids.count(END_THINK) == 1 and matches_schema(json.loads(parsed.content), PICK)
