@@ -24,12 +24,16 @@ PromptType = str | list[int] | dict
 
 
 class LLM:
-    """Offline generation: `LLM(model="k3-tiny").generate(prompts, SamplingParams(...))`."""
+    """Offline generation: `LLM(model="k3-tiny").generate(prompts, SamplingParams(...))`.
 
-    def __init__(self, model: str = DEFAULT_MODEL, **kwargs):
+    `skip_tokenizer_init=True` (vLLM's) loads no tokenizer, for checkpoints without tokenizer files: prompts
+    are token ids (`{"prompt_token_ids": [...]}` or a list of ints) and outputs carry token ids, with
+    empty text."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, *, skip_tokenizer_init: bool = False, **kwargs):
         from hyserve.engine.llm_engine import LLMEngine
 
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs), skip_tokenizer_init=skip_tokenizer_init)
         self._ids = itertools.count()
 
     @classmethod
@@ -52,6 +56,9 @@ class LLM:
         comes back finished with `error` set; the others are unaffected."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if self.engine.tokenizer is None and any(_is_text(p) for p in prompts):
+            raise ValueError("text prompts need a tokenizer, and this LLM has none (skip_tokenizer_init=True): "
+                             "pass token ids, e.g. {'prompt_token_ids': [...]}")
         params = sampling_params if sampling_params is not None else SamplingParams()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
@@ -80,6 +87,10 @@ class LLM:
                     bar.update(1)
         bar.close()
         return [results[rid] for rid in order]
+
+
+def _is_text(prompt: PromptType) -> bool:
+    return isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt)
 
 
 def _progress(total: int, enabled: bool):

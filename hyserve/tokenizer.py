@@ -364,7 +364,7 @@ def load_tokenizer(path: str | None, family: str) -> Tokenizer:
     return ByteTokenizer(family)
 
 
-def parse_prompt(prompt: str | list[int] | dict, tokenizer: Tokenizer) -> tuple[str | None, list[int]]:
+def parse_prompt(prompt: str | list[int] | dict, tokenizer: Tokenizer | None) -> tuple[str | None, list[int]]:
     """(text, token ids) of a prompt as the offline API takes it (vLLM's forms): a string, token ids, or a
     dict with 'prompt' and/or 'prompt_token_ids'. Raises ValueError for anything else."""
     if isinstance(prompt, dict):
@@ -374,6 +374,9 @@ def parse_prompt(prompt: str | list[int] | dict, tokenizer: Tokenizer) -> tuple[
             raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         prompt = prompt["prompt"]
     if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("a text prompt needs a tokenizer, and this engine has none (skip_tokenizer_init=True): "
+                             "pass token ids, e.g. {'prompt_token_ids': [...]}")
         return prompt, tokenizer.encode(prompt)
     if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
         return None, list(prompt)

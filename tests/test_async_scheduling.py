@@ -10,7 +10,7 @@ import pytest
 from conftest import assert_pool_empty
 
 from hyserve import SamplingParams
-from hyserve.engine.structured import StructuredSpec, compile_spec
+from hyserve.structured.constraint import StructuredSpec, compile_spec
 
 EOS = 258  # the byte tokenizer's [EOS]; the tiny presets' eos_token_id
 

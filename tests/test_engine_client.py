@@ -14,8 +14,8 @@ import pytest
 from hyserve.config import EngineConfig
 from hyserve.engine.engine_client import AsyncEngineClient, EngineDeadError, EngineRequestError
 from hyserve.engine.engine_core import RequestDelta
-from hyserve.engine.structured import StructuredSpec
 from hyserve.sampling_params import SamplingParams
+from hyserve.structured.constraint import StructuredSpec
 
 
 def deep_schema(depth: int) -> dict:

@@ -153,8 +153,12 @@ def test_encoder_stop_tokens_are_im_end_and_eos(tok):
     assert get_chat_encoder("k2").stop_token_ids(tok) == expected
 
 
-def test_encoder_prompt_never_opens_thinking():
-    assert not get_chat_encoder("k2").prompt_opens_thinking(thinking=True)
+def test_encoder_reads_the_completion_as_reasoning_only_with_thinking_on(tok):
+    k2 = get_chat_encoder("k2")
+    assert k2.prompt_opens_thinking(thinking=True) and not k2.prompt_opens_thinking()
+    assert not k2.prompt_opens_thinking(thinking=True, add_generation_prompt=False)
+    # the prompt itself still stops before `<think>`: a thinking model writes it
+    assert k2.encode(tok, [USER], thinking=True)[-1] == tok.token_to_id("<|im_middle|>")
 
 
 def test_encoder_enable_thinking_selects_the_thinking_rendering(tok):

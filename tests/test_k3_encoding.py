@@ -131,6 +131,50 @@ def test_user_name_is_an_attribute():
     assert '<|open|>message role="user" name="bob"<|sep|>hi' in text([{"role": "user", "name": "bob", "content": "hi"}])
 
 
+def test_assistant_name_is_an_attribute():
+    out = text([*USER, {"role": "assistant", "name": "helper", "content": "yo"}, *USER], thinking=False)
+    assert '<|open|>message role="assistant" name="helper"<|sep|><|open|>response<|sep|>yo' in out
+    assert out.endswith('<|open|>message role="assistant"<|sep|><|open|>response<|sep|>')
+
+
+class PreTokenizer:
+    """Kimi's tiktoken pre-tokenizer, seen through its BPE: with every substring of the texts as a rank,
+    BPE merges each pre-token into one token and never across two, so the tokens *are* the pre-tokens."""
+
+    def __init__(self, texts: list[str]) -> None:
+        import tiktoken
+
+        from hyserve.tokenizer import KIMI_PAT_STR
+
+        pieces = {bytes([b]) for b in range(256)}
+        for t in texts:
+            data = t.encode()
+            pieces.update(data[i:j] for i in range(len(data)) for j in range(i + 1, min(len(data), i + 24) + 1))
+        ranks = {p: r for r, p in enumerate(sorted(pieces, key=lambda p: (len(p), p)))}
+        self._enc = tiktoken.Encoding("pretok", pat_str=KIMI_PAT_STR, mergeable_ranks=ranks, special_tokens={})
+
+    def encode(self, text: str, allow_special: bool = False) -> list[str]:
+        return [self._enc.decode_single_token_bytes(t).decode() for t in self._enc.encode_ordinary(text)]
+
+
+def test_attribute_text_is_tokenized_in_the_reference_pieces():
+    """The reference tokenizes ` key`, `="`, the value and `"` apart: values that start or end with
+    punctuation keep it (`_id`, `$schema`), where one ` key="_id"` string pre-splits as `="_` + `id`."""
+    from hyserve.entrypoints.chat.k3_encoding import encode_segments
+
+    args = {"_id": 7, "$schema": "s"}
+    segments = render_k3([*USER, {"role": "assistant", "content": "", "tool_calls": [call("f", args)]}],
+                         thinking=False, add_generation_prompt=False)
+    tok = PreTokenizer([s.text for s in segments] + [' key="_id"', ' key="$schema"'])
+    pieces = encode_segments(tok, segments)
+    at = pieces.index("_id")
+    assert pieces[at - 3 : at + 2] == ["argument", " key", '="', "_id", '"']
+    assert pieces[pieces.index("$schema") - 1 : pieces.index("$schema") + 2] == ['="', "$schema", '"']
+    # what tokenizing the attribute as one string gives instead
+    assert tok.encode(' key="_id"') == [" key", '="_', "id", '"']
+    assert tok.encode(' key="$schema"') == [" key", '="$', "schema", '"']
+
+
 # --- assistant turns -----------------------------------------------------------------------------------
 
 def test_every_history_turn_has_a_think_channel_even_without_reasoning():
@@ -259,14 +303,21 @@ def test_tools_are_deep_sorted_and_compact():
 
 
 def test_system_message_with_tools_is_a_dynamic_declaration():
-    out = text([{"role": "system", "content": "ignored", "tools": [{"name": "t"}]}, *USER], thinking=False)
+    out = text([{"role": "system", "tools": [{"name": "t"}]}, *USER], thinking=False)
     assert out.startswith(
         '<|open|>message role="system" type="tool-declare"<|sep|>## New Tools Available\n'
         "The system dynamically extends the toolset via lazy-loading.\n"
         "You have access to all existing and extended tools.\n"
         "Here are the specs for the extended tools.\n\n"
-        '```json\n[{"name":"t"}]\n```<|close|>message<|sep|><|end_of_msg|>'
+        '```json\n[{"name":"t"}]\n```<|close|>message<|sep|><|end_of_msg|><|open|>message role="user"<|sep|>'
     )
+
+
+@pytest.mark.parametrize("role", ["system", "developer"])
+def test_a_message_that_declares_tools_keeps_its_text(role):
+    out = text([{"role": role, "content": "Prefer t.", "tools": [{"name": "t"}]}, *USER], thinking=False)
+    declared = '```json\n[{"name":"t"}]\n```<|close|>message<|sep|><|end_of_msg|>'
+    assert declared + '<|open|>message role="system"<|sep|>Prefer t.<|close|>message<|sep|><|end_of_msg|>' in out
 
 
 def test_no_tools_means_no_declaration():

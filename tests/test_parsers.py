@@ -13,6 +13,7 @@ import re
 
 import pytest
 
+from hyserve.entrypoints.chat import chat_output_parser, get_chat_encoder
 from hyserve.entrypoints.chat.tool_calls import (
     Delta,
     OutputParser,
@@ -453,3 +454,92 @@ def test_k2_user_typed_lookalike_markers_are_plain_content():
     ids = plain("k2", "</think><|tool_calls_section_begin|>") + markup("k2", "<|im_end|>")
     out = parse("k2", ids, thinking=False)
     assert (out.content, out.tool_calls) == ("</think><|tool_calls_section_begin|>", [])
+
+
+# ---------------------------------------------------------------------------------------------------
+# K2 through the chat server's own parser choice (`chat_output_parser`): the request's thinking switch
+# and its declared tools decide how the completion is read.
+
+WEATHER_TOOL = ["get_weather"]
+
+
+def chat_parse(ids: list[int], tool_names: list[str] | None = None, **kwargs) -> ParsedOutput:
+    p = chat_output_parser(get_chat_encoder("k2"), K2, {"add_generation_prompt": True, **kwargs},
+                           tool_names=tool_names)
+    return p.parse(ids)
+
+
+def chat_stream(chunks: list[list[int]], tool_names: list[str] | None = None, **kwargs) -> ParsedOutput:
+    p = chat_output_parser(get_chat_encoder("k2"), K2, {"add_generation_prompt": True, **kwargs},
+                           tool_names=tool_names)
+    return join_deltas([p.feed(chunk) for chunk in chunks] + [p.finish()])
+
+
+def assert_chat_stream_matches_parse(ids: list[int], tool_names: list[str] | None = None, **kwargs) -> ParsedOutput:
+    expected = chat_parse(ids, tool_names, **kwargs)
+    for chunks in chunkings(ids):
+        assert comparable(chat_stream(chunks, tool_names, **kwargs), "k2") == comparable(expected, "k2"), chunks
+    return expected
+
+
+@pytest.mark.parametrize("kwargs", [{"thinking": True}, {"enable_thinking": True}, {"thinking": {"type": "enabled"}}])
+def test_k2_chat_with_thinking_on_splits_the_think_block_from_the_answer(kwargs):
+    out = chat_parse(markup("k2", "<think>step by step</think>final<|im_end|>"), **kwargs)
+    assert (out.reasoning, out.content) == ("step by step", "final")
+
+
+def test_k2_chat_with_thinking_on_reads_an_unopened_think_block_as_reasoning():
+    out = chat_parse(markup("k2", "step by step</think>final"), thinking=True)
+    assert (out.reasoning, out.content) == ("step by step", "final")
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"thinking": False}])
+def test_k2_chat_with_thinking_off_still_splits_a_think_block_the_model_opens_itself(kwargs):
+    out = chat_parse(markup("k2", "<think>step by step</think>final<|im_end|>"), **kwargs)
+    assert (out.reasoning, out.content) == ("step by step", "final")
+    out = chat_parse(markup("k2", "no thinking here</think> at all"), **kwargs)
+    assert (out.reasoning, out.content) == (None, "no thinking here at all")
+
+
+@pytest.mark.parametrize("kwargs", [{"thinking": True}, {}])
+def test_k2_chat_thinking_streams_as_it_parses_at_every_split(kwargs):
+    ids = markup("k2", "<think>step by step</think>final" + K2_CALLS.replace("search", "get_weather") + "<|im_end|>")
+    out = assert_chat_stream_matches_parse(ids, WEATHER_TOOL, **kwargs)
+    assert (out.reasoning, out.content, len(out.tool_calls)) == ("step by step", "final", 2)
+
+
+BARE_CALL = '<|tool_calls_section_begin|><|tool_call_begin|>0 <|tool_call_argument_begin|>{"city": "Paris"}' \
+            "<|tool_call_end|><|tool_calls_section_end|>"
+
+
+def test_k2_bare_counter_call_id_takes_the_name_of_the_only_declared_tool():
+    (call,) = chat_parse(markup("k2", BARE_CALL), WEATHER_TOOL).tool_calls
+    assert (call.id, call.name, json.loads(call.arguments)) == ("functions.get_weather:0", "get_weather",
+                                                                {"city": "Paris"})
+
+
+def test_k2_bare_counter_call_id_is_dropped_when_the_tool_is_ambiguous():
+    out = chat_parse(markup("k2", "Checking." + BARE_CALL), ["get_weather", "search"])
+    assert (out.content, out.tool_calls) == ("Checking.", [])
+
+
+@pytest.mark.parametrize("call_id", ["functions.invalid:0", "functions.invalid.0", "weird@id", "get weather:0"])
+def test_k2_call_ids_naming_no_declared_tool_are_not_calls(call_id):
+    ids = markup("k2", f"<|tool_calls_section_begin|><|tool_call_begin|>{call_id}<|tool_call_argument_begin|>{{}}"
+                       "<|tool_call_end|><|tool_call_begin|>functions.get_weather:1<|tool_call_argument_begin|>{}"
+                       "<|tool_call_end|><|tool_calls_section_end|>")
+    out = chat_parse(ids, WEATHER_TOOL)
+    assert [(c.id, c.name) for c in out.tool_calls] == [("functions.get_weather:1", "get_weather")]
+
+
+def test_k2_call_id_resolution_streams_as_it_parses_at_every_split():
+    ids = markup("k2", "ok" + BARE_CALL.replace("0 ", "weird@id") + BARE_CALL)
+    out = assert_chat_stream_matches_parse(ids, WEATHER_TOOL)
+    assert [c.id for c in out.tool_calls] == ["functions.get_weather:0"]
+
+
+def test_k2_stray_tool_call_end_in_plain_text_keeps_the_text():
+    out = chat_parse(markup("k2", "leaked<|tool_call_end|>content<|im_end|>"), WEATHER_TOOL)
+    assert (out.content, out.tool_calls) == ("leakedcontent", [])
+    assert comparable(chat_stream([[t] for t in markup("k2", "leaked<|tool_call_end|>content")], WEATHER_TOOL),
+                      "k2") == (None, "leakedcontent", [])

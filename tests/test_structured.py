@@ -12,8 +12,8 @@ import random
 import pytest
 import torch
 
-from hyserve.engine.structured import StructuredSpec, compile_spec
 from hyserve.entrypoints.chat.tool_calls import make_output_parser
+from hyserve.structured.constraint import StructuredSpec, compile_spec
 from hyserve.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer("k3")
@@ -61,21 +61,47 @@ def test_k3_forced_tool_call_uses_special_markers_and_parses(seed):
     assert call.name == "pick" and args["color"].strip() in ("red", "blue")
 
 
-def test_k3_constraint_waits_for_reasoning_then_keeps_the_response_wrapper():
+def allowed(matcher) -> list[int]:
+    return matcher.allowed_mask(VOCAB).nonzero().flatten().tolist()
+
+
+def test_k3_thinking_is_free_text_that_cannot_end_the_message_then_the_response_wrapper_follows():
     spec = StructuredSpec("json", SCHEMA, wrapper="k3", open_response=True, reasoning="k3", end_token_ids=END)
     matcher = compile_spec(spec, TOK, VOCAB).new_matcher()
-    thought = TOK.encode("hmm, <|close|>think fake") + [TOK.special_id("<|close|>")] + TOK.encode("think")
+    close, sep, opener = (TOK.special_id(m) for m in ("<|close|>", "<|sep|>", "<|open|>"))
+    thought = TOK.encode("hmm, <|close|>think fake\n")
     for t in thought:
-        assert bool(matcher.allowed_mask(VOCAB).all()), "reasoning must be unconstrained"
+        ok = allowed(matcher)
+        assert set(END).isdisjoint(ok), "thinking cannot end the message"
+        assert close in ok and opener not in ok and sep not in ok, "the think block only closes"
+        assert {ord("a"), ord("{"), ord("<"), ord("\n")} <= set(ok), "thinking is free text"
         matcher.accept(t)
-    matcher.accept(TOK.special_id("<|sep|>"))
-    allowed = matcher.allowed_mask(VOCAB).nonzero().flatten().tolist()
-    assert allowed == [TOK.special_id("<|open|>")], "the response channel opens with the special marker"
-    prefix = thought + [TOK.special_id("<|sep|>")]
-    ids = walk(spec, seed=1, prefix=prefix)
+    for t in [close, *TOK.encode("think")]:
+        matcher.accept(t)
+    assert allowed(matcher) == [sep]
+    matcher.accept(sep)
+    assert allowed(matcher) == [opener], "the response channel opens with the special marker"
+    ids = walk(spec, seed=1, prefix=thought + [close, *TOK.encode("think"), sep])
     parsed = make_output_parser("k3", TOK, prompt_opens_thinking=True, tools_enabled=False).parse(ids)
-    assert parsed.reasoning == "hmm, <|close|>think fake"
+    assert parsed.reasoning == "hmm, <|close|>think fake\n"
     assert json.loads(parsed.content)["color"] in ("red", "blue")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_k3_thinking_on_json_always_ends_with_the_answer(seed):
+    spec = StructuredSpec("json", SCHEMA, wrapper="k3", open_response=True, reasoning="k3", end_token_ids=END)
+    parsed = make_output_parser("k3", TOK, prompt_opens_thinking=True, tools_enabled=False).parse(walk(spec, seed))
+    assert parsed.content is not None and json.loads(parsed.content)["color"] in ("red", "blue")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_k3_thinking_on_forced_tool_call_always_ends_with_the_call(seed):
+    tools = [{"name": "pick", "parameters": SCHEMA}]
+    spec = StructuredSpec("tool_call", {"tools": tools, "parallel": False}, wrapper="k3", open_response=True,
+                          reasoning="k3", end_token_ids=END)
+    parsed = make_output_parser("k3", TOK, prompt_opens_thinking=True, tools_enabled=True).parse(walk(spec, seed))
+    (call,) = parsed.tool_calls
+    assert call.name == "pick" and json.loads(call.arguments)["color"] in ("red", "blue")
 
 
 def test_choice_and_regex():
@@ -96,3 +122,12 @@ def test_mask_is_a_bool_vector_over_the_vocab():
     mask = compile_spec(StructuredSpec("json", None, end_token_ids=END), TOK, VOCAB).new_matcher().allowed_mask(VOCAB)
     assert mask.dtype == torch.bool and mask.shape == (VOCAB,)
     assert mask.nonzero().flatten().tolist() == [ord("{")]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_constrained_text_is_valid_utf8_across_token_boundaries(seed):
+    ids = walk(StructuredSpec("json", {"type": "array", "items": {"type": "string", "maxLength": 3},
+                                       "minItems": 4, "maxItems": 4}, end_token_ids=END), seed)
+    raw = TOK.ids_to_bytes(ids[:-1])
+    raw.decode("utf-8")  # strict: a surrogate or an overlong form would raise
+    assert all(len(s) <= 3 for s in json.loads(raw))

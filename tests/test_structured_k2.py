@@ -15,10 +15,10 @@ import httpx
 import pytest
 
 from hyserve import SamplingParams
-from hyserve.engine.structured import compile_spec
 from hyserve.entrypoints.chat import get_chat_encoder
 from hyserve.entrypoints.chat.tool_calls import make_output_parser
 from hyserve.entrypoints.openai.forced_tools import forced_tool_call_spec
+from hyserve.structured.constraint import compile_spec
 from hyserve.tokenizer import ByteTokenizer
 from tests.server_util import live_server
 
@@ -127,14 +127,18 @@ def test_the_section_opens_with_its_special_id_and_a_call_must_follow():
     assert allowed(matcher) == [TOK.special_id("<|tool_call_begin|>")], "no empty section, no bytes"
 
 
-def test_a_thinking_model_may_think_first_and_is_constrained_after_its_think_block():
+def test_with_thinking_the_answer_starts_as_free_reasoning_that_must_close_before_the_section():
     spec = spec_for(PROMPTS[0], parallel=False, thinking=True)
     matcher = compile_spec(spec, TOK, VOCAB).new_matcher()
-    assert allowed(matcher) == sorted([TOK.special_id("<|tool_calls_section_begin|>"), THINK])
-    thought = [THINK, *TOK.encode("hmm <|tool_calls_section_begin|>"), TOK.special_id("<|tool_call_begin|>")]
+    first = allowed(matcher)
+    assert THINK in first and END_THINK in first and ord("h") in first, "the opener is optional"
+    assert TOK.special_id("<|tool_calls_section_begin|>") not in first and IM_END not in first
+    thought = [THINK, *TOK.encode("hmm <|tool_calls_section_begin|>")]
     for t in thought:
         matcher.accept(t)
-        assert bool(matcher.allowed_mask(VOCAB).all()), "reasoning is unconstrained"
+        ok = allowed(matcher)
+        assert IM_END not in ok and THINK not in ok, "reasoning is free text that cannot end the turn"
+        assert TOK.special_id("<|tool_call_begin|>") not in ok
     matcher.accept(END_THINK)
     assert allowed(matcher) == [TOK.special_id("<|tool_calls_section_begin|>")]
 
@@ -175,3 +179,20 @@ def test_live_chat_completion_with_required_tool_choice_returns_a_tool_call():
     fn = {f["name"]: f for f in FUNCTIONS}[call["function"]["name"]]
     assert call["id"] == f"functions.{fn['name']}:0" and call["type"] == "function"
     assert matches_schema(json.loads(call["function"]["arguments"]), fn)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_json_answer_with_thinking_on_ends_only_after_its_think_block_and_the_json(seed):
+    from hyserve.entrypoints.chat import chat_output_parser
+    from hyserve.entrypoints.openai.forced_tools import response_format_spec
+
+    kwargs = {"add_generation_prompt": True, "thinking": True}
+    schema = PICK["parameters"]
+    matcher = compile_spec(response_format_spec(K2, TOK, "json", schema, kwargs), TOK, VOCAB).new_matcher()
+    rng, ids = random.Random(seed), []
+    while not ids or ids[-1] not in K2.stop_token_ids(TOK):
+        assert len(ids) < 3000, "the walk never ended"
+        ids.append(rng.choice(allowed(matcher)))
+        matcher.accept(ids[-1])
+    parsed = chat_output_parser(K2, TOK, kwargs, tool_names=None).parse(ids)
+    assert ids.count(END_THINK) == 1 and matches_schema(json.loads(parsed.content), PICK)

@@ -34,7 +34,7 @@ MODULES = ["json", "textwrap"]
 
 @pytest.fixture(scope="module")
 def corpus():
-    return build_corpus(MODULES, phrasings=1, copies=1, choices=0.5)
+    return build_corpus(MODULES, phrasings=1, copies=1, choices=0.5, talk=0.5)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def tok_dir(tmp_path_factory, corpus):
 
 
 def test_corpus_is_deterministic_and_grounded_in_the_stdlib(corpus):
-    again = build_corpus(MODULES, phrasings=1, copies=1, choices=0.5)
+    again = build_corpus(MODULES, phrasings=1, copies=1, choices=0.5, talk=0.5)
     assert again == corpus
     names = {s.name for s in corpus.symbols}
     assert "json.dumps" in names and "textwrap.dedent" in names
@@ -63,6 +63,30 @@ def test_made_up_symbols_can_only_be_answered_by_copying(corpus):
         assert name not in real and name in user["content"]  # asked for, never trained on as a real symbol
         signature = tool["content"].split("\n\n")[0]
         assert signature.startswith(name + "(") and f"`{signature}`" in answer["content"]
+
+
+def test_tool_conversations_also_ask_for_the_tool_by_name(corpus):
+    from hyserve.train.small_talk import TOOL_REQUESTS
+
+    convs = corpus.tool + corpus.copy
+    names = [json.loads(c[1]["tool_calls"][0]["function"]["arguments"])["name"] for c in convs]
+    by_name = [c[0]["content"] in {r.format(name=n) for r in TOOL_REQUESTS} for c, n in zip(convs, names)]
+    assert 0.3 < sum(by_name) / len(convs) < 0.7
+
+
+def test_small_talk_trains_what_the_model_is_and_no_tool_call(corpus, tok_dir):
+    from hyserve.train.small_talk import MODEL_NAME
+
+    tok = load_tokenizer(tok_dir, "k3")
+    assert len(corpus.talk) == len(corpus.symbols) // 2
+    assert {tools for _, tools in corpus.talk} == {True, False}
+    for messages, tools in corpus.talk:
+        reply = messages[1]
+        assert not reply.get("tool_calls") and MODEL_NAME in reply["content"] and "standard library" in reply["content"]
+        ids, mask = encode_chat(tok, messages, [LOOKUP_TOOL] if tools else None)
+        trained = tok.decode([t for t, m in zip(ids, mask) if m], skip_special_tokens=False)
+        assert reply["content"] in trained and messages[0]["content"] not in trained
+    assert any(len(m) > 2 for m, _ in corpus.talk), "some small talk goes on with a question about a symbol"
 
 
 @pytest.mark.parametrize("choice", ["required", "none"])
@@ -234,8 +258,8 @@ def test_the_all_command_runs_end_to_end_and_writes_the_outputs(tmp_path, one_th
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(out))
     summary = json.load(open(tmp_path / "out" / "summary.json"))
     assert summary["train"]["steps"] > 0 and summary["eval"]["n"] == 4
-    assert {"code_ppl", "chat_ppl", "tool_call_rate", "signature_after_tool", "signature_end_to_end"} <= set(
-        summary["eval"])
+    assert {"code_ppl", "chat_ppl", "tool_call_rate", "signature_after_tool", "signature_end_to_end",
+            "tool_phrasing_right_name", "identity_answer", "out_of_scope_answer"} <= set(summary["eval"])
     assert (tmp_path / "work" / "summary.md").read_text().startswith("# hyserve-tiny-k3 training run")
     main(["expected", "--model", str(out), "--out", str(tmp_path / "expected.json"), "--prompt", "import json\\n"])
     expected = json.load(open(tmp_path / "expected.json"))

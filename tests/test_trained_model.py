@@ -115,3 +115,58 @@ def test_loading_a_sharded_checkpoint_shows_a_progress_bar(capsys):
 
     load_model(EMBEDDED_MODEL_DIR)
     assert "Loading safetensors checkpoint shards: 100%" in capsys.readouterr().err
+
+
+def test_a_live_server_answers_json_schema_with_thinking_on_after_its_reasoning(client):
+    schema = {"type": "object", "properties": {"symbol": {"type": "string", "maxLength": 40}},
+              "required": ["symbol"], "additionalProperties": False}
+    r = client.chat.completions.create(
+        model="hyserve-tiny-k3", messages=[{"role": "user", "content": "What does json.dumps do?"}], temperature=0,
+        max_tokens=160, response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.model_extra.get("reasoning")
+    value = json.loads(choice.message.content)
+    assert set(value) == {"symbol"} and len(value["symbol"]) <= 40
+
+
+def test_a_live_server_forced_tool_call_with_thinking_on_names_the_symbol(client):
+    r = client.chat.completions.create(
+        model="hyserve-tiny-k3", messages=[{"role": "user", "content": "What does json.dumps do?"}],
+        tools=[LOOKUP_TOOL_API], tool_choice="required", temperature=0, max_tokens=96)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.model_extra.get("reasoning")
+    assert json.loads(choice.message.tool_calls[0].function.arguments) == {"name": "json.dumps"}
+
+
+# ---- what the model says about itself, and natural tool requests (need the retrained checkpoint) ------
+# The shipped checkpoint was trained before the greeting, identity and tool-phrasing data existed: these
+# fail until it is retrained (hyserve/train/README.md), which needs a GPU. Strict: once a retrained
+# checkpoint passes them, the marks must go.
+_NEEDS_RETRAIN = pytest.mark.xfail(strict=True, reason="the shipped checkpoint predates its identity and "
+                                                       "tool-phrasing data: retrain it (hyserve/train/README.md)")
+
+
+@_NEEDS_RETRAIN
+@pytest.mark.parametrize("tools", [False, True], ids=["no-tools", "lookup-tool"])
+def test_hello_who_are_you_is_answered_with_what_the_model_is_and_can_do(llm, tools):
+    from hyserve import SamplingParams
+    from hyserve.entrypoints.chat.k3_encoding import encode_k3
+    from hyserve.entrypoints.chat.tool_calls import make_output_parser
+    from hyserve.train.data import LOOKUP_TOOL
+    from hyserve.train.evaluate import identity_reply_ok
+
+    tok = llm.get_tokenizer()
+    prompt = encode_k3(tok, [{"role": "user", "content": "Hello! Who are you?"}], [LOOKUP_TOOL] if tools else None)
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=96, skip_special_tokens=False),
+                       use_tqdm=False)[0].outputs[0]
+    parsed = make_output_parser("k3", tok, prompt_opens_thinking=True, tools_enabled=True).parse(out.token_ids)
+    assert out.finish_reason == "stop" and identity_reply_ok(parsed.content or "", bool(parsed.tool_calls)), parsed
+
+
+@_NEEDS_RETRAIN
+def test_natural_tool_requests_name_the_right_common_symbol_at_least_80_percent_of_the_time():
+    from hyserve import LLM
+    from hyserve.train.evaluate import tool_phrasing_rate
+
+    rate = tool_phrasing_rate(LLM(max_num_seqs=100))
+    assert rate >= 0.8, f"{rate:.0%} of 'Use lookup_symbol to find out what X does.'-style requests named X"

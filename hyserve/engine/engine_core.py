@@ -147,7 +147,7 @@ class _EngineLoop:
             _check_text(req)
             params = req.params
             if params.structured is not None and not hasattr(params.structured, "new_matcher"):
-                from hyserve.engine.structured import compile_spec
+                from hyserve.structured.constraint import compile_spec
 
                 params.structured = compile_spec(
                     params.structured, self.engine.tokenizer, self.engine.model_config.vocab_size

@@ -91,11 +91,13 @@ class StepStats:
 
 class LLMEngine:
     def __init__(
-        self, cfg: EngineConfig, model=None, tokenizer: Tokenizer | None = None, *, static_decode_buffers: bool = False
+        self, cfg: EngineConfig, model=None, tokenizer: Tokenizer | None = None, *, static_decode_buffers: bool = False,
+        skip_tokenizer_init: bool = False,
     ):
         """Decode steps replay CUDA graphs unless the resolved config says `enforce_eager` (always on the
         CPU). `static_decode_buffers` runs them through the graphs' static, padded buffers whatever the
-        config says; on the CPU nothing is captured: the path's tests use it."""
+        config says; on the CPU nothing is captured: the path's tests use it. `skip_tokenizer_init`
+        (vLLM's): load no tokenizer; prompts are token ids and outputs carry token ids, with empty text."""
         self.startup = StartupClock()
         device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
         torch.manual_seed(cfg.seed)
@@ -108,9 +110,10 @@ class LLMEngine:
         self.cfg = cfg = resolve_config(cfg, str(self.device), str(self.model.dtype).removeprefix("torch."),
                                         self.model_config.max_position_embeddings)
         log_startup(cfg, self.model.kernel_plan)
-        self.tokenizer = tokenizer or load_tokenizer(
-            tokenizer_source(cfg.model, cfg.tokenizer, cfg.load_format), self.model_config.tokenizer_family
-        )
+        self.tokenizer = tokenizer
+        if tokenizer is None and not skip_tokenizer_init:
+            self.tokenizer = load_tokenizer(tokenizer_source(cfg.model, cfg.tokenizer, cfg.load_format),
+                                            self.model_config.tokenizer_family)
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(cfg.max_model_len or limit, limit)
         cache_dtype = self.model.dtype if cfg.kv_cache_dtype == "auto" else resolve_dtype(cfg.kv_cache_dtype, self.model_config)
@@ -131,7 +134,8 @@ class LLMEngine:
             self.startup.lap("graph capture")
         self.runner = ModelRunner(self.model, self.kv, graphs)
         self.sampler = Sampler()
-        self.eos_token_ids = list(self.model_config.eos_token_ids) or [self.tokenizer.eos_token_id]
+        tokenizer_eos = [self.tokenizer.eos_token_id] if self.tokenizer is not None else []
+        self.eos_token_ids = list(self.model_config.eos_token_ids) or tokenizer_eos
         self.parents: dict[str, ParentRequest] = {}
         self.stats = EngineStats()
         self._landed: SchedulerOutput | None = None  # the step the last step() call read back
@@ -164,7 +168,7 @@ class LLMEngine:
                 child.generator = torch.Generator(device=self.device).manual_seed(params.seed + i)
             if params.structured is not None:
                 child.matcher = params.structured.new_matcher()
-            child.output = CompletionState.for_request(child, self.tokenizer)
+            child.output = CompletionState.for_request(child, self.tokenizer if self._detokenizes(params) else None)
             children.append(child)
         outputs = OutputAccumulator(request_id, text, ids, params, children[0].metrics)
         self.parents[request_id] = ParentRequest(request_id, outputs, children)
@@ -193,10 +197,16 @@ class LLMEngine:
         bad_stops = [t for t in params.stop_token_ids or () if not 0 <= t < vocab]
         if bad_stops:
             raise ValueError(f"stop_token_ids out of range [0, {vocab}): {bad_stops[:5]}")
+        if params.stop and not self._detokenizes(params):
+            raise ValueError("stop strings need detokenized text: this request (detokenize=False or an engine "
+                             "without a tokenizer) has none; use stop_token_ids")
         if params.top_k >= vocab:
             # Keeping the whole vocabulary is "off"; a huge k (2**70) would not even fit the int64 tensor.
             params = dataclasses.replace(params, top_k=0)
         return params, room if params.max_tokens is None else min(params.max_tokens, room)
+
+    def _detokenizes(self, params: SamplingParams) -> bool:
+        return params.detokenize and self.tokenizer is not None
 
     def abort_request(self, request_id: str) -> None:
         parent = self.parents.get(request_id)
@@ -395,7 +405,8 @@ class LLMEngine:
                 req.output.new_logprobs.extend(self._decode_logprobs(row))
             if req.matcher is not None:
                 req.matcher.accept(tok)
-            req.output.text += req.output.detok.step(tok)
+            if req.output.detok is not None:
+                req.output.text += req.output.detok.step(tok)
             status = check_stop(req, tok, self.eos_token_ids, self.max_model_len)
             if status is not None:
                 req.metrics.finished_time = time.time()
@@ -412,6 +423,8 @@ class LLMEngine:
         return mask
 
     def _decode_logprobs(self, rows: list[dict[int, Logprob]]) -> list[dict[int, Logprob]]:
+        if self.tokenizer is None:
+            return rows  # no tokenizer: decoded_token stays None, as in vLLM
         for row in rows:
             for tid, lp in row.items():
                 lp.decoded_token = self.tokenizer.decode([tid], skip_special_tokens=False)

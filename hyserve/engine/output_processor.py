@@ -20,7 +20,7 @@ from hyserve.tokenizer import IncrementalDetokenizer
 class CompletionState:
     """What the engine has made and sent of one completion's output."""
 
-    detok: IncrementalDetokenizer
+    detok: IncrementalDetokenizer | None  # None: the request's text is not made (detokenize off, no tokenizer)
     holdback: int  # characters that might start a stop string
     text: str = ""  # all of it so far (stop strings are searched in its tail)
     new_logprobs: SampleLogprobs | None = None  # not yet sent; None unless the request asks for logprobs
@@ -33,7 +33,8 @@ class CompletionState:
         p = req.params
         holdback = max((len(s) for s in p.stop or ()), default=1) - 1
         lps = [] if p.logprobs is not None else None
-        return cls(IncrementalDetokenizer(tokenizer, p.skip_special_tokens), holdback, new_logprobs=lps)
+        detok = IncrementalDetokenizer(tokenizer, p.skip_special_tokens) if tokenizer is not None else None
+        return cls(detok, holdback, new_logprobs=lps)
 
     def delta(self, req: Request) -> CompletionDelta | None:
         """What the completion gained since the last delta; None when nothing."""
@@ -96,7 +97,8 @@ def check_stop(req: Request, tok: int, eos_token_ids: list[int], max_model_len: 
     elif len(req.output_token_ids) >= req.max_tokens or req.num_known_tokens >= max_model_len:
         status = RequestStatus.FINISHED_LENGTH
     if status is not None:
-        req.output.text += req.output.detok.finish()
+        if req.output.detok is not None:
+            req.output.text += req.output.detok.finish()
     return status
 
 

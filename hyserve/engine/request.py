@@ -18,7 +18,7 @@ from hyserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from hyserve.engine.output_processor import CompletionState
-    from hyserve.engine.structured import StructuredMatcher
+    from hyserve.structured.constraint import StructuredMatcher
 
 
 class RequestStatus(enum.Enum):

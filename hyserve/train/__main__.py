@@ -36,7 +36,7 @@ def load_examples(path: str) -> list[tuple[list[int], list[int]]]:
 
 
 def prepare(out: str, vocab_size: int, modules: list[str] | None = None, copies: float = 2.0,
-            tokenizer_from: str | None = None, choices: float = 0.3, seed: int = 0) -> None:
+            tokenizer_from: str | None = None, choices: float = 0.3, seed: int = 0, talk: float = 0.15) -> None:
     """Corpus from `modules` (default: the whole stdlib here), BPE (or the tokenizer of the checkpoint
     `tokenizer_from`, to go on training it), encoded examples, the held-out split. Another `seed` draws
     other phrasings and made-up symbols (a second run on fresh copying examples); the split stays."""
@@ -47,7 +47,7 @@ def prepare(out: str, vocab_size: int, modules: list[str] | None = None, copies:
     from hyserve.train.data import build_corpus, encode_corpus, split_modules, stdlib_modules
 
     train_mods, eval_mods = split_modules(modules or stdlib_modules())
-    corpus = build_corpus(train_mods, seed=seed, copies=copies, choices=choices)
+    corpus = build_corpus(train_mods, seed=seed, copies=copies, choices=choices, talk=talk)
     from hyserve.train.data import corpus_texts
 
     if tokenizer_from:
@@ -64,7 +64,7 @@ def prepare(out: str, vocab_size: int, modules: list[str] | None = None, copies:
               open(os.path.join(out, "split.json"), "w"), indent=1)
     n = sum(1 for _ in open(os.path.join(out, "split.json")))
     print(f"prepared {out}: {len(corpus.symbols)} train symbols, {len(corpus.copy)} made-up-symbol tool "
-          f"conversations, {len(held.symbols)} held-out symbols, {n} lines")
+          f"conversations, {len(corpus.talk)} small-talk exchanges, {len(held.symbols)} held-out symbols, {n} lines")
 
 
 def model_config(args: argparse.Namespace, tok) -> dict:
@@ -135,7 +135,7 @@ def run_all(args: argparse.Namespace) -> dict:
     if args.data is None:
         args.data = os.path.join(args.work, "data")
         prepare(args.data, args.vocab_size, args.modules.split(",") if args.modules else None, args.copies,
-                tokenizer_from=args.init_from, choices=args.choices, seed=args.seed)
+                tokenizer_from=args.init_from, choices=args.choices, seed=args.seed, talk=args.talk)
     prepared_s = time.perf_counter() - t0
     args.time_budget = args.budget_minutes * 60
     train_log = fit(args, deadline)
@@ -195,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     pp.add_argument("--choices", type=float, default=0.3,
                     help="exchanges per symbol under tool_choice required, and as many under none")
     pp.add_argument("--seed", type=int, default=0, help="draws the phrasings and made-up symbols")
+    pp.add_argument("--talk", type=float, default=0.15,
+                    help="greeting, identity and out-of-scope exchanges per symbol")
     pf = sub.add_parser("fit")
     pf.add_argument("--data", required=True)
     pf.add_argument("--time-budget", type=float, default=float("inf"), help="seconds of training")
@@ -207,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     pa.add_argument("--copies", type=float, default=2.0, help="made-up-symbol tool conversations per symbol")
     pa.add_argument("--choices", type=float, default=0.3,
                     help="exchanges per symbol under tool_choice required, and as many under none")
+    pa.add_argument("--talk", type=float, default=0.15,
+                    help="greeting, identity and out-of-scope exchanges per symbol")
     pa.add_argument("--modules", default=None, help="comma-separated stdlib modules (default: all)")
     pa.add_argument("--budget-minutes", type=float, default=14.0, help="wall clock of the training steps")
     pa.add_argument("--deadline-minutes", type=float, default=None,
@@ -223,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         if where and not os.path.isfile(os.path.join(where, name)):
             p.error(f"--{flag.replace('_', '-')} {where}: no {name} there")
     if args.cmd == "prepare":
-        prepare(args.out, args.vocab_size, copies=args.copies, choices=args.choices, seed=args.seed)
+        prepare(args.out, args.vocab_size, copies=args.copies, choices=args.choices, seed=args.seed, talk=args.talk)
     elif args.cmd == "fit":
         fit(args)
     elif args.cmd == "all":

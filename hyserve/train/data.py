@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from hyserve.entrypoints.chat.k3_encoding import END_OF_MSG, OPEN, SEP, Segment, render_k3
 from hyserve.tokenizer import Tokenizer
+from hyserve.train.small_talk import TOOL_REQUESTS, small_talk
 
 # Modules with side effects on import (a browser, a GUI, printing, test suites) or nothing to teach.
 _SKIP = {
@@ -208,6 +209,11 @@ def question(sym: Symbol, rng: random.Random) -> str:
     return rng.choice(_QUESTIONS).format(name=sym.name)
 
 
+def tool_question(sym: Symbol, rng: random.Random) -> str:
+    """What a user with the tool declared asks: a question about the symbol, or a request for the tool."""
+    return rng.choice(TOOL_REQUESTS if rng.random() < 0.5 else _QUESTIONS).format(name=sym.name)
+
+
 def answer(sym: Symbol) -> str:
     return f"`{sym.call}`\n\n{sym.summary}"
 
@@ -225,7 +231,7 @@ def tool_result(sym: Symbol) -> str:
 
 def tool_messages(sym: Symbol, rng: random.Random, *, complete: bool = True) -> list[dict]:
     """A tool-use conversation; with complete=False it stops after the question (an eval prompt)."""
-    msgs = [{"role": "user", "content": question(sym, rng)}]
+    msgs = [{"role": "user", "content": question(sym, rng) if not complete else tool_question(sym, rng)}]
     if not complete:
         return msgs
     call = {"id": f"{TOOL_NAME}:0", "type": "function",
@@ -240,16 +246,28 @@ def tool_messages(sym: Symbol, rng: random.Random, *, complete: bool = True) -> 
 
 # --- encoding with a loss mask ---------------------------------------------------------------------
 
+def _tag_end(segments: Sequence[Segment], i: int) -> int:
+    """Index just past the `<|sep|>` that ends the tag opened at segments[i]."""
+    while not (segments[i].allow_special and segments[i].text == SEP):
+        i += 1
+    return i + 1
+
+
+def _opens_assistant_turn(segments: Sequence[Segment], i: int) -> bool:
+    texts = [s.text for s in segments[i : i + 5]]
+    return segments[i].allow_special and texts[:2] == [OPEN, "message"] and texts[2:] == [" role", '="', "assistant"]
+
+
 def assistant_flags(segments: Sequence[Segment]) -> list[bool]:
     """Per segment: True for what the model generates after the generation prompt
     (`<|open|>message role="assistant"<|sep|><|open|>think<|sep|>`), up to and including <|end_of_msg|>."""
     flags: list[bool] = []
     inside, i = False, 0
     while i < len(segments):
-        texts = [s.text for s in segments[i : i + 4]]
-        if not inside and texts == [OPEN, "message", ' role="assistant"', SEP]:
-            flags += [False] * 7  # the header and the channel opener are the prompt's
-            inside, i = True, i + 7
+        if not inside and _opens_assistant_turn(segments, i):
+            start = _tag_end(segments, _tag_end(segments, i))  # the header and the channel opener
+            flags += [False] * (start - i)
+            inside, i = True, start
             continue
         flags.append(inside)
         if inside and segments[i].text == END_OF_MSG and segments[i].allow_special:
@@ -352,13 +370,15 @@ class Corpus:
     # tool declared): the encoding announces either choice in an internal message the model must obey
     forced: list[list[dict]] = field(default_factory=list)
     declined: list[list[dict]] = field(default_factory=list)
+    talk: list[tuple[list[dict], bool]] = field(default_factory=list)  # (messages, lookup tool declared)
 
 
 def build_corpus(modules: Sequence[str], seed: int = 0, phrasings: int = 3, copies: float = 0.0,
-                 choices: float = 0.0) -> Corpus:
+                 choices: float = 0.0, talk: float = 0.0) -> Corpus:
     """Code chunks plus `phrasings` chat and tool conversations per symbol of `modules`, `copies`
-    made-up-symbol tool conversations per real symbol, and `choices` exchanges per symbol under each of
-    tool_choice "required" and "none"."""
+    made-up-symbol tool conversations per real symbol, `choices` exchanges per symbol under each of
+    tool_choice "required" and "none", and `talk` small-talk exchanges per symbol (a third of them go on
+    with a question about a symbol)."""
     rng = random.Random(seed)
     symbols = collect_symbols(modules)
     chat, tool = [], []
@@ -372,7 +392,12 @@ def build_corpus(modules: Sequence[str], seed: int = 0, phrasings: int = 3, copi
     n_choice = int(choices * len(symbols))
     forced = [tool_messages(sym, rng)[:2] for sym in rng.sample(symbols, min(n_choice, len(symbols)))]
     declined = [chat_messages(sym, rng) for sym in rng.sample(symbols, min(n_choice, len(symbols)))]
-    return Corpus(code_documents(modules), chat, tool, symbols, copy, forced, declined)
+    chats = small_talk(rng, int(talk * len(symbols)))
+    for i, (messages, tools) in enumerate(chats):
+        if i % 3 == 2 and symbols:  # then a real question: small talk must not stick
+            sym = rng.choice(symbols)
+            messages += tool_messages(sym, rng) if tools else chat_messages(sym, rng)
+    return Corpus(code_documents(modules), chat, tool, symbols, copy, forced, declined, chats)
 
 
 def choice_segments(messages: list[dict], tool_choice: str) -> list[Segment]:
@@ -389,7 +414,7 @@ def choice_segments(messages: list[dict], tool_choice: str) -> list[Segment]:
 def corpus_texts(corpus: Corpus) -> Iterable[str]:
     """Plain text for tokenizer training: code, docstrings and rendered conversations."""
     yield from corpus.code
-    for conv in corpus.chat[::3] + corpus.tool[::3]:
+    for conv in corpus.chat[::3] + corpus.tool[::3] + [m for m, _ in corpus.talk[::3]]:
         yield "".join(s.text for s in render_k3(conv, [LOOKUP_TOOL] if len(conv) > 2 else None,
                                                 add_generation_prompt=False))
 
@@ -409,4 +434,5 @@ def encode_corpus(tok: Tokenizer, corpus: Corpus, max_len: int) -> list[tuple[li
         out.append(encode_chat(tok, conv, [LOOKUP_TOOL]))
     for convs, choice in ((corpus.forced, "required"), (corpus.declined, "none")):
         out += [encode_segments(tok, choice_segments(conv, choice)) for conv in convs]
+    out += [encode_chat(tok, conv, [LOOKUP_TOOL] if tools else None) for conv, tools in corpus.talk]
     return [(ids[:max_len], mask[:max_len]) for ids, mask in out]

@@ -7,7 +7,11 @@
   JSON-object arguments (the server's own K3 output parser), and how many name the right symbol;
 - signature rate: answers that contain the right signature, end to end (the model's own call is answered
   by the tool, then the model answers), after the right tool result, and in plain chat without tools
-  (recall of modules never seen: expected near zero).
+  (recall of modules never seen: expected near zero);
+- tool phrasings: requests that name the tool ("Use lookup_symbol to find out what X does.", phrasings the
+  data never uses among them) for common stdlib names, answered with a call naming the symbol;
+- small talk: greetings and identity questions answered with what the model is, out-of-scope requests
+  with what it can do instead, neither with a tool call (phrasings the data never uses, tool on and off).
 """
 
 from __future__ import annotations
@@ -32,6 +36,14 @@ from hyserve.train.data import (
     question,
     tool_messages,
     tool_result,
+)
+from hyserve.train.small_talk import EVAL_GREETINGS, EVAL_OUT_OF_SCOPE, EVAL_TOOL_REQUESTS, MODEL_NAME
+
+# Names users ask about most; the rate is over these times EVAL_TOOL_REQUESTS.
+COMMON_SYMBOLS = (
+    "json.dumps", "json.loads", "os.path.join", "os.listdir", "re.sub", "re.match", "math.sqrt", "random.choice",
+    "time.sleep", "shutil.copy", "glob.glob", "textwrap.dedent", "copy.deepcopy", "heapq.heappush",
+    "bisect.insort", "statistics.mean", "itertools.chain", "functools.reduce", "base64.b64encode", "subprocess.run",
 )
 
 
@@ -92,6 +104,43 @@ def content_of(tok, ids: list[int]) -> str:
     return out.content or ""
 
 
+def _greedy(max_tokens: int):
+    from hyserve import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, skip_special_tokens=False)
+
+
+def tool_phrasing_rate(llm) -> float:
+    """Share of COMMON_SYMBOLS x EVAL_TOOL_REQUESTS answered with a lookup_symbol call naming the symbol."""
+    tok = llm.get_tokenizer()
+    asks = [(name, phrasing.format(name=name)) for name in COMMON_SYMBOLS for phrasing in EVAL_TOOL_REQUESTS]
+    prompts = [encode_k3(tok, [{"role": "user", "content": text}], [LOOKUP_TOOL]) for _, text in asks]
+    gens = llm.generate(prompts, _greedy(96), use_tqdm=False)
+    return sum(parsed_call(tok, g.outputs[0].token_ids)[1] == name for (name, _), g in zip(asks, gens)) / len(asks)
+
+
+def identity_reply_ok(content: str, called: bool) -> bool:
+    """Says what the model is and what it does, briefly, without calling a tool."""
+    return not called and MODEL_NAME in content and "standard library" in content and len(content) < 400
+
+
+def small_talk_rates(llm) -> dict[str, float]:
+    """Greetings answered with what the model is; out-of-scope requests with what it can do instead."""
+    tok = llm.get_tokenizer()
+    cases = [(kind, text, tools) for kind, texts in (("identity", EVAL_GREETINGS), ("out_of_scope", EVAL_OUT_OF_SCOPE))
+             for text in texts for tools in (None, [LOOKUP_TOOL])]
+    prompts = [encode_k3(tok, [{"role": "user", "content": text}], tools) for _, text, tools in cases]
+    gens = llm.generate(prompts, _greedy(96), use_tqdm=False)
+    ok: dict[str, list[bool]] = {"identity": [], "out_of_scope": []}
+    for (kind, _, _), g in zip(cases, gens):
+        out = make_output_parser("k3", tok, prompt_opens_thinking=True, tools_enabled=True).parse(g.outputs[0].token_ids)
+        content = out.content or ""
+        good = identity_reply_ok(content, bool(out.tool_calls)) if kind == "identity" else \
+            not out.tool_calls and "standard library" in content and len(content) < 400
+        ok[kind].append(good)
+    return {f"{kind}_answer": sum(v) / len(v) for kind, v in ok.items()}
+
+
 def evaluate(model_dir: str, symbols: list[Symbol], eval_modules: list[str], n: int = 200, **llm_kwargs) -> dict:
     from hyserve import LLM, SamplingParams
 
@@ -122,6 +171,8 @@ def evaluate(model_dir: str, symbols: list[Symbol], eval_modules: list[str], n: 
     gens = llm.generate(plain, greedy, use_tqdm=False)
     res["signature_plain_chat"] = sum(s.call in content_of(tok, g.outputs[0].token_ids)
                                       for g, s in zip(gens, syms)) / len(syms)
+    res["tool_phrasing_right_name"] = tool_phrasing_rate(llm)
+    res.update(small_talk_rates(llm))
     return res
 
 

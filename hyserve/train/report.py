@@ -16,6 +16,10 @@ _EVAL_ROWS = (
     ("signature_end_to_end", "answers with the right signature (own tool call, then the answer)", "{:.1%}"),
     ("signature_after_tool", "signature copied from the right tool result", "{:.1%}"),
     ("signature_plain_chat", "signature recalled without tools (unseen modules)", "{:.1%}"),
+    ("tool_phrasing_right_name", "requests naming the tool (common names) answered with a call naming the symbol",
+     "{:.1%}"),
+    ("identity_answer", "greetings and identity questions answered with what the model is", "{:.1%}"),
+    ("out_of_scope_answer", "out-of-scope requests answered with what it can do, no tool call", "{:.1%}"),
 )
 
 

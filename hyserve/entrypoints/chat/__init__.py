@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from hyserve.entrypoints.chat import k2_encoding, k3_encoding
+from hyserve.entrypoints.chat.tool_calls import OutputParser, make_output_parser
 from hyserve.tokenizer import Tokenizer
 
 
@@ -23,16 +24,20 @@ class ChatEncoder(Protocol):
 
     def stop_token_ids(self, tokenizer: Tokenizer) -> list[int]: ...
 
-    def prompt_opens_thinking(self, **kwargs: Any) -> bool: ...
-
-    def model_opens_thinking(self, **kwargs: Any) -> bool: ...
+    def prompt_opens_thinking(self, **kwargs: Any) -> bool:
+        """Whether the completion starts inside reasoning (the output parser and the grammar start there)."""
+        ...
 
 
 def thinking_enabled(kwargs: dict[str, Any], default: bool) -> bool:
-    """`thinking` or `enable_thinking` switch thinking; `reasoning_effort="none"` turns it off."""
+    """`thinking` or `enable_thinking` switch thinking (a bool, or Moonshot's `{"type": "enabled"}` /
+    `{"type": "disabled"}`); `reasoning_effort="none"` turns it off."""
     for key in ("thinking", "enable_thinking"):
-        if kwargs.get(key) is not None:
-            return bool(kwargs[key])
+        value = kwargs.get(key)
+        if isinstance(value, dict) and value.get("type") in ("enabled", "disabled"):
+            return value["type"] == "enabled"
+        if value is not None:
+            return bool(value)
     if kwargs.get("reasoning_effort") == "none":
         return False
     return default
@@ -76,10 +81,6 @@ class K3ChatEncoder:
             return False
         return bool(kwargs.get("add_generation_prompt", True)) and thinking_enabled(kwargs, default=True)
 
-    def model_opens_thinking(self, **kwargs: Any) -> bool:
-        """Whether the model may open a think channel itself (never: the prompt decides)."""
-        return False
-
 
 class K2ChatEncoder:
     family = "k2"
@@ -107,12 +108,25 @@ class K2ChatEncoder:
         return [tokenizer.special_id(k2_encoding.IM_END), tokenizer.special_id(k2_encoding.EOS)]
 
     def prompt_opens_thinking(self, **kwargs: Any) -> bool:
-        # The K2 generation prompt stops before `<think>`: a thinking model writes it itself.
-        return False
-
-    def model_opens_thinking(self, **kwargs: Any) -> bool:
-        """Whether a K2-Thinking model may start its answer with `<think>` (thinking requested)."""
+        """Whether the completion is read as reasoning from its start (thinking on). The K2 generation
+        prompt stops before `<think>` and a thinking model writes it itself, but the opener is optional:
+        everything before `</think>` is reasoning (vLLM's kimi_k2 parser reads K2 output the same way)."""
+        if kwargs.get("continue_final_message"):
+            return False
         return bool(kwargs.get("add_generation_prompt", True)) and thinking_enabled(kwargs, default=False)
+
+
+def chat_output_parser(
+    encoder: ChatEncoder, tokenizer: Tokenizer, kwargs: dict[str, Any], *, tool_names: Sequence[str] | None,
+    tools_enabled: bool = True,
+) -> OutputParser:
+    """The output parser for one completion of a chat prompt that `encoder` rendered with `kwargs`:
+    reasoning from where the encoder says the completion starts, tool calls to the declared `tool_names`
+    (None or empty with `tools_enabled` False: tool blocks are dropped)."""
+    return make_output_parser(
+        encoder.family, tokenizer, prompt_opens_thinking=encoder.prompt_opens_thinking(**kwargs),
+        tools_enabled=tools_enabled and bool(tool_names), tool_names=tool_names,
+    )
 
 
 _ENCODERS: dict[str, ChatEncoder] = {"k3": K3ChatEncoder(), "k2": K2ChatEncoder()}
@@ -126,4 +140,5 @@ def get_chat_encoder(family: str) -> ChatEncoder:
         raise ValueError(f"no chat encoding for family {family!r}; expected one of {known}") from None
 
 
-__all__ = ["ChatEncoder", "K2ChatEncoder", "K3ChatEncoder", "get_chat_encoder", "thinking_enabled"]
+__all__ = ["ChatEncoder", "K2ChatEncoder", "K3ChatEncoder", "chat_output_parser", "get_chat_encoder",
+           "thinking_enabled"]

@@ -92,8 +92,18 @@ def _open(tag: str, *attrs: tuple[str, Any]) -> Iterator[Segment]:
     yield _marker(OPEN)
     yield Segment(tag)
     for key, value in attrs:
-        yield Segment(f' {key}="{escape_attr(value)}"')
+        yield from attribute_segments(key, value)
     yield _marker(SEP)
+
+
+def attribute_segments(key: str, value: Any) -> Iterator[Segment]:
+    """` key="value"` in the reference encoder's pieces: ` key`, `="`, the escaped value, `"`. Each piece is
+    tokenized on its own, so the BPE pre-tokenizer never merges the quote into a value that starts or ends
+    with punctuation (` key="_id"` is `="` + `_id`, not `="_` + `id`)."""
+    yield Segment(f" {key}")
+    yield Segment('="')
+    yield from _text(escape_attr(value))
+    yield Segment('"')
 
 
 def _close(tag: str) -> Iterator[Segment]:
@@ -124,6 +134,10 @@ def _content(content: Any) -> Iterator[Segment]:
             yield from _text(part["text"])
         else:
             raise ValueError(f"unsupported content part type {kind!r}")
+
+
+def _is_blank(content: Any) -> bool:
+    return content is None or content == "" or content == []
 
 
 def _end_message() -> Iterator[Segment]:
@@ -206,8 +220,13 @@ def _tool_calls(calls: Sequence[dict]) -> Iterator[Segment]:
     yield from _close("tools")
 
 
+def _speaker(role: str, message: dict) -> list[tuple[str, Any]]:
+    """The `message` tag's attributes: the role, and the sender's `name` when the message has one."""
+    return [("role", role)] + ([("name", message["name"])] if message.get("name") else [])
+
+
 def _assistant(message: dict, thinking: bool) -> Iterator[Segment]:
-    yield from _open("message", ("role", "assistant"))
+    yield from _open("message", *_speaker("assistant", message))
     if thinking:
         yield from _open("think")
         reasoning = message.get("reasoning_content") or message.get("reasoning")
@@ -280,12 +299,12 @@ def _messages(messages: Sequence[dict], thinking: bool) -> Iterator[Segment]:
         if role == "developer":
             role = "system"  # OpenAI's newer name for the system role
         if role == "system" and message.get("tools"):
+            # A dynamic declaration, then the message's own text (when it has any).
             yield from _tool_declare(message["tools"], dynamic=True)
-        elif role in ("system", "user"):
-            attrs = [("role", role)]
-            if message.get("name"):
-                attrs.append(("name", message["name"]))
-            yield from _open("message", *attrs)
+            if _is_blank(message.get("content")):
+                continue
+        if role in ("system", "user"):
+            yield from _open("message", *_speaker(role, message))
             yield from _content(message.get("content"))
             yield from _end_message()
         elif role == "assistant":
@@ -352,7 +371,7 @@ def render_k3(
         segments += _internal_message("response-format", _JSON_SCHEMA_BODY.format(schema=schema))
     if final is not None:
         # The whole message but its closing tags: think (if any) is closed, the response left open.
-        segments += _open("message", ("role", "assistant"))
+        segments += _open("message", *_speaker("assistant", final))
         if thinking:
             segments += _open("think")
             reasoning = final.get("reasoning_content") or final.get("reasoning")

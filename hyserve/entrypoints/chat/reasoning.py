@@ -220,6 +220,9 @@ class K3ReasoningParser:
 class K2ReasoningParser:
     """K2 / K2-Thinking: `<think>` and `</think>` are single special ids; the opener is optional.
 
+    `start_in_reasoning` (thinking on) reads everything before `</think>` as reasoning, as vLLM's kimi_k2
+    parser does; without it (thinking off) reasoning starts only at a `<think>` the model writes itself
+    (K2-Thinking opens its think block on its own). Either way the markers never reach the content.
     Reasoning also ends implicitly where a tool-call section (or a bare tool call) begins, because the
     model sometimes omits `</think>` before calling tools; that id passes on to the tool parser.
     """

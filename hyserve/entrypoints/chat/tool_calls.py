@@ -14,7 +14,9 @@ Streaming and non-streaming run the same code, so the joined deltas always equal
 from __future__ import annotations
 
 import json
+import re
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -226,17 +228,41 @@ def _k3_arguments_json(call: _K3Call) -> str:
 # K2
 
 
+_K2_CALL_ID = re.compile(r"(?:functions\.)?([\w\-]+):(\d+)")
+_K2_COUNTER = re.compile(r"\d+")
+
+
+def resolve_k2_call_id(call_id: str, tool_names: Sequence[str] | None) -> tuple[str, str] | None:
+    """(id, function name) of a K2 call header, or None when it is not a call to a declared tool.
+
+    `functions.NAME:IDX` (the K2 format; `NAME:IDX` too) names its function. A bare counter (`0`), which
+    K2 models sometimes write, names none: it resolves only when exactly one tool is declared, and then
+    gets the canonical id. Anything else (`weird@id`, `functions.f.0`) and names that no declared tool
+    has are not calls. `tool_names` None: the tools are unknown, so any well-formed name is accepted.
+    """
+    if m := _K2_CALL_ID.fullmatch(call_id):
+        name = m.group(1)
+        return (call_id, name) if tool_names is None or name in tool_names else None
+    if _K2_COUNTER.fullmatch(call_id) and tool_names is not None and len(set(tool_names)) == 1:
+        name = tool_names[0]
+        return f"functions.{name}:{int(call_id)}", name
+    return None
+
+
 class K2ToolParser:
     """K2: `<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{json}<|tool_call_end|>`.
 
     Every marker is one special id, so no text is ever held back for a partial marker. The call id is the
-    text `functions.NAME:IDX` itself. Streaming sends id/type/name once, when the argument marker
-    arrives, then the arguments as suffix diffs; a call cut by max_tokens keeps what was sent, so the
-    non-streaming result equals the joined stream. Content is the text outside the section.
+    text `functions.NAME:IDX` itself (`resolve_k2_call_id` says which ids are calls). Streaming sends
+    id/type/name once, when the argument marker arrives, then the arguments as suffix diffs; a call cut by
+    max_tokens keeps what was sent, so the non-streaming result equals the joined stream. Content is the
+    text outside the section; a stray call-end marker in content is dropped and the text goes on.
     """
 
-    def __init__(self, tokenizer: TokenizerLike, *, tools_enabled: bool = True) -> None:
+    def __init__(self, tokenizer: TokenizerLike, *, tools_enabled: bool = True,
+                 tool_names: Sequence[str] | None = None) -> None:
         self._tokenizer = tokenizer
+        self._tool_names = None if tool_names is None else list(tool_names)
         self._section_begin = require_token_id(tokenizer, "<|tool_calls_section_begin|>")
         self._section_end = require_token_id(tokenizer, "<|tool_calls_section_end|>")
         self._call_begin = require_token_id(tokenizer, "<|tool_call_begin|>")
@@ -272,7 +298,7 @@ class K2ToolParser:
                 self._mode, self._id_ids = "call_id", []
             elif token == self._args_begin and self._mode == "call_id":
                 self._start_call(deltas)
-            elif token == self._call_end:
+            elif token == self._call_end and self._mode != "content":
                 self._end_call(deltas)
                 self._mode = "section"
             elif self._mode == "content":
@@ -291,11 +317,12 @@ class K2ToolParser:
         return self._content.take(final=True), deltas
 
     def _start_call(self, deltas: list[ToolCallDelta]) -> None:
-        call_id = self._tokenizer.decode(self._id_ids, skip_special_tokens=True).strip()
-        name = call_id.split(":")[0].split(".")[-1].strip()
+        raw_id = self._tokenizer.decode(self._id_ids, skip_special_tokens=True).strip()
         self._mode = "args"
-        if not name or not self._tools_enabled:
-            return  # nameless: its arguments are read and dropped
+        resolved = resolve_k2_call_id(raw_id, self._tool_names) if self._tools_enabled else None
+        if resolved is None:
+            return  # not a call to a declared tool: its arguments are read and dropped
+        call_id, name = resolved
         self._call = ToolCall(id=call_id, name=name, arguments="")
         self._calls.append(self._call)
         deltas.append(ToolCallDelta(index=len(self._calls) - 1, id=call_id, type="function", name=name))
@@ -353,13 +380,17 @@ class OutputParser:
 
 
 def make_output_parser(
-    family: str, tokenizer: TokenizerLike, *, prompt_opens_thinking: bool, tools_enabled: bool
+    family: str, tokenizer: TokenizerLike, *, prompt_opens_thinking: bool, tools_enabled: bool,
+    tool_names: Sequence[str] | None = None,
 ) -> OutputParser:
     """The parser for one completion of a `family` ("k3" or "k2") model.
 
-    `prompt_opens_thinking`: the generation prompt left a think channel open (thinking on), so the
-    completion starts as reasoning. False means thinking is off and the reasoning stage is an identity.
+    `prompt_opens_thinking`: the completion starts as reasoning (the encoder's `prompt_opens_thinking`:
+    K3's prompt left a think channel open; K2 with thinking on, whose `<think>` is optional). K3 with it
+    False makes the reasoning stage an identity; K2 still reads a `<think>` the model writes itself.
     `tools_enabled`: the request offered tools; otherwise tool blocks are dropped, never returned.
+    `tool_names`: the declared functions (K2 resolves bare-counter call ids against them and drops calls
+    to undeclared ones); None accepts any name.
     """
     reasoning: ReasoningParser
     if family == "k3":
@@ -370,10 +401,10 @@ def make_output_parser(
         return OutputParser(reasoning, K3ToolParser(tokenizer, tools_enabled=tools_enabled))
     if family == "k2":
         # Kimi-Linear has no think tokens: it never reasons, whatever the prompt says.
-        has_think = all(tokenizer.token_to_id(t) is not None for t in ("<think>", "</think>"))
-        if prompt_opens_thinking and has_think:
-            reasoning = K2ReasoningParser(tokenizer)
+        if all(tokenizer.token_to_id(t) is not None for t in ("<think>", "</think>")):
+            reasoning = K2ReasoningParser(tokenizer, start_in_reasoning=prompt_opens_thinking)
         else:
             reasoning = IdentityReasoningParser()
-        return OutputParser(reasoning, K2ToolParser(tokenizer, tools_enabled=tools_enabled))
+        tools = K2ToolParser(tokenizer, tools_enabled=tools_enabled, tool_names=tool_names)
+        return OutputParser(reasoning, tools)
     raise ValueError(f"unknown chat family {family!r}; expected 'k3' or 'k2'")

@@ -14,10 +14,9 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from hyserve.engine.structured import StructuredSpec
-from hyserve.entrypoints.chat import get_chat_encoder
-from hyserve.entrypoints.chat.tool_calls import Delta, make_output_parser
-from hyserve.entrypoints.openai.forced_tools import forced_tool_call_spec
+from hyserve.entrypoints.chat import ChatEncoder, chat_output_parser, get_chat_encoder
+from hyserve.entrypoints.chat.tool_calls import Delta
+from hyserve.entrypoints.openai.forced_tools import forced_tool_call_spec, response_format_spec
 from hyserve.entrypoints.openai.protocol import APIError, ChatCompletionRequest
 from hyserve.entrypoints.openai.serving_common import (
     ServerState,
@@ -136,10 +135,10 @@ class _StopTrim:
 class _Completion:
     """Per-choice state while a chat completion runs."""
 
-    def __init__(self, state: ServerState, opens_thinking: bool, tools_enabled: bool,
-                 stop: _StopTrim | None = None) -> None:
-        self.parser = make_output_parser(state.chat_encoding, state.tokenizer,
-                                         prompt_opens_thinking=opens_thinking, tools_enabled=tools_enabled)
+    def __init__(self, state: ServerState, encoder: ChatEncoder, kwargs: dict[str, Any], tool_names: list[str],
+                 tools_enabled: bool, stop: _StopTrim | None = None) -> None:
+        self.parser = chat_output_parser(encoder, state.tokenizer, kwargs, tool_names=tool_names,
+                                         tools_enabled=tools_enabled)
         self.ids: list[int] = []
         self.logprobs: list[dict] = []
         self.finish: str | None = None
@@ -226,17 +225,13 @@ async def start_chat_completion(state: ServerState, req: ChatCompletionRequest,
     """Render, build the sampling parameters (forced tool calls, structured outputs) and submit."""
     p = render_chat_prompt(state, req)
     ids, encoder, kwargs, functions, choice, forced = p.ids, p.encoder, p.kwargs, p.functions, p.choice, p.forced
-    opens_thinking = encoder.prompt_opens_thinking(**kwargs)
     stop_ids = encoder.stop_token_ids(state.tokenizer)
-    k3 = state.chat_encoding == "k3"
-    reasoning = state.chat_encoding if opens_thinking else None
     spec = None
     if choice == "required":
         spec = forced_tool_call_spec(encoder, state.tokenizer, forced, req.messages,
                                      parallel=req.parallel_tool_calls, kwargs=kwargs)
     elif (constraint := structured_constraint(req)) is not None:
-        spec = StructuredSpec(constraint[0], constraint[1], wrapper="k3" if k3 else None,
-                              open_response=opens_thinking, reasoning=reasoning, end_token_ids=stop_ids)
+        spec = response_format_spec(encoder, state.tokenizer, constraint[0], constraint[1], kwargs)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = resolve_max_tokens(state, len(ids), requested, None)
     if req.top_logprobs is not None and not req.logprobs:
@@ -250,7 +245,8 @@ async def start_chat_completion(state: ServerState, req: ChatCompletionRequest,
     stream = await submit(state, rid, ids, params, req)
     tools_enabled = bool(functions) and choice != "none"
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    comps = [_Completion(state, opens_thinking, tools_enabled, _StopTrim(stops, req.include_stop_str_in_output))
+    names = [f["name"] for f in functions]
+    comps = [_Completion(state, encoder, kwargs, names, tools_enabled, _StopTrim(stops, req.include_stop_str_in_output))
              for _ in range(req.n)]
     return ChatRun(rid, ids, stream, comps, k)
 

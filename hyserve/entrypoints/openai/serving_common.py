@@ -14,10 +14,10 @@ from fastapi import Request
 from pydantic_core import PydanticCustomError
 
 from hyserve.engine.engine_client import AsyncEngineClient, EngineDeadError, EngineRequestError, RequestStream
-from hyserve.engine.structured import StructuredSpec
 from hyserve.entrypoints.openai.limits import check_field
 from hyserve.entrypoints.openai.protocol import APIError, SamplingRequest
 from hyserve.sampling_params import SamplingParams
+from hyserve.structured.constraint import StructuredSpec
 
 
 @dataclass

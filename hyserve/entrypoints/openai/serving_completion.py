@@ -9,7 +9,6 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from hyserve.engine.structured import StructuredSpec
 from hyserve.entrypoints.openai.protocol import APIError, CompletionRequest
 from hyserve.entrypoints.openai.serving_common import (
     ServerState,
@@ -28,6 +27,7 @@ from hyserve.entrypoints.openai.serving_common import (
     usage,
     usage_flags,
 )
+from hyserve.structured.constraint import StructuredSpec
 
 DEFAULT_MAX_TOKENS = 16  # the OpenAI completions default
 
