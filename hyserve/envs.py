@@ -32,6 +32,8 @@ SWITCHES = (
     Switch("HYSERVE_CUDA_GRAPHS", "1", "0: an alias of --enforce-eager (no decode graphs)"),
     Switch("HYSERVE_PREFIX_CACHE_RETENTION_INTERVAL", "",
            "the default of --prefix-cache-retention-interval (a checkpoint every N tokens; 0 = off)"),
+    Switch("HYSERVE_DIST_TIMEOUT_S", "600",
+           "seconds a rank waits in a collective for its peers before the step fails (parallel layouts)"),
 )
 _NAMES = {s.name for s in SWITCHES}
 
@@ -43,6 +45,7 @@ class Envs:
     dsa_exact_scores: bool = False
     cuda_graphs: bool = True
     prefix_cache_retention_interval: int | None = None  # None: not set
+    dist_timeout_s: float = 600.0  # NCCL's own default too
     set_switches: tuple[tuple[str, str], ...] = ()  # (name, value) of every HYSERVE_* variable set
 
     def describe(self) -> str:
@@ -68,6 +71,19 @@ def _count(environ: Mapping[str, str], name: str) -> int | None:
     return int(value)
 
 
+def _seconds(environ: Mapping[str, str], name: str, default: float) -> float:
+    value = environ.get(name, "").strip()
+    if value == "":
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
+    return seconds
+
+
 def read(environ: Mapping[str, str]) -> Envs:
     """Parse the switches of `environ`; ValueError names a switch with a value it cannot take. A
     HYSERVE_* name that is not a switch here is reported as set, so a misspelling shows in the log."""
@@ -77,6 +93,7 @@ def read(environ: Mapping[str, str]) -> Envs:
         dsa_exact_scores=_flag(environ, "HYSERVE_DSA_EXACT_SCORES", False),
         cuda_graphs=_flag(environ, "HYSERVE_CUDA_GRAPHS", True),
         prefix_cache_retention_interval=_count(environ, "HYSERVE_PREFIX_CACHE_RETENTION_INTERVAL"),
+        dist_timeout_s=_seconds(environ, "HYSERVE_DIST_TIMEOUT_S", 600.0),
         set_switches=tuple(sorted((k, v if k in _NAMES else f"{v} (not read by hyserve)")
                                   for k, v in environ.items() if k.startswith("HYSERVE_"))),
     )

@@ -10,8 +10,10 @@ import pytest
 import torch
 from dist_util import rank_pool
 
+from hyserve import envs
 from hyserve.distributed import ParallelConfig
 from hyserve.distributed.comm import CollectiveError
+from hyserve.distributed.groups import single_process_state
 from hyserve.distributed.launch import RankFailedError, RankPool
 
 TIMEOUT_S = 2.0
@@ -105,3 +107,15 @@ def test_capacity_under_dcp_counts_w_times_the_context():
     dcp = RankCapacity(0, 1000, 64, 4, 8, 1 << 20, 1 << 20)
     assert dcp.context_tokens == 4 * tp.context_tokens == 256000 and dcp.scheduler_block_size == 256
     assert "rank 0: 1000 pages x 64 tokens = 0.977 GiB for 256000 context tokens (DCP4" in dcp.describe()
+
+
+def test_the_group_timeout_is_read_from_hyserve_dist_timeout_s():
+    assert envs.read({}).dist_timeout_s == 600.0
+    assert envs.read({"HYSERVE_DIST_TIMEOUT_S": "42.5"}).dist_timeout_s == 42.5
+    assert single_process_state().tp.timeout_s == envs.get().dist_timeout_s
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "ten", "inf"])
+def test_a_bad_hyserve_dist_timeout_s_is_an_error_naming_it(value):
+    with pytest.raises(ValueError, match="HYSERVE_DIST_TIMEOUT_S"):
+        envs.read({"HYSERVE_DIST_TIMEOUT_S": value})

@@ -36,9 +36,9 @@ def _shard_rows(state, tokens: int) -> tuple[int, int, float, float]:
     batch = Batch.build([tokens], [tokens], [[0, 1, 2]], 4, [0], [True])
     a, b = ctx.token_range()
     emb = rank_model.model.embed_tokens(ids)
-    attn = rank_model.model.layers[0].attn(emb, batch, rank_model.make_cache(3, 4, 1))
+    attn = rank_model.model.layers[0].attn(emb, batch, rank_model.make_cache(3, 4, 1), rank_model.kernel_plan)
     ref_emb = model.model.embed_tokens(ids)
-    ref_attn = model.model.layers[0].attn(ref_emb, batch, model.make_cache(3, 4, 1))
+    ref_attn = model.model.layers[0].attn(ref_emb, batch, model.make_cache(3, 4, 1), model.kernel_plan)
     return emb.shape[0], attn.shape[0], rel_err(emb[: b - a], ref_emb[a:b]), rel_err(attn[: b - a], ref_attn[a:b])
 
 

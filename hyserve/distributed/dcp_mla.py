@@ -12,6 +12,7 @@ from hyserve.distributed.dsa_dcp import dcp_index_topk, dcp_sparse_mla
 from hyserve.distributed.tp_layers import TPMLAttention
 from hyserve.models.batch import Batch, CacheTensors
 from hyserve.models.config import ModelConfig
+from hyserve.ops.kernel_plan import KernelPlan, active
 
 
 class DCPMLAttention(TPMLAttention):
@@ -22,7 +23,9 @@ class DCPMLAttention(TPMLAttention):
         g = ctx.state.dcp
         self.own = TokenOwnership(g.size, g.rank, ctx.state.config.cp_kv_cache_interleave_size)
 
-    def forward(self, x: torch.Tensor, batch: Batch, cache: CacheTensors) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: Batch, cache: CacheTensors, plan: KernelPlan | None = None) -> torch.Tensor:
+        """The attention itself is torch code under DCP (docs/parallelism.md); `plan` picks the output
+        projection's kernel."""
         x = self.ctx.gather_input(x)
         group, layer = self.ctx.state.dcp, self.mla_index
         slots = self.own.slot_mapping(batch, cache.block_size)
@@ -36,4 +39,4 @@ class DCPMLAttention(TPMLAttention):
             o = dcp_sparse_mla(q_nope, q_rope, w, cache.pages, layer, batch, selected, *args)
         else:
             o = dcp_mla(q_nope, q_rope, w, cache.pages, layer, batch, *args)
-        return self.ctx.reduce(self.project_out(o, x))
+        return self.ctx.reduce(self.project_out(o, x, active(plan)))

@@ -4,18 +4,21 @@ parallelism is on) and the DCP groups (consecutive TP ranks), each with a bounde
 from __future__ import annotations
 
 import datetime
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from hyserve import envs
 from hyserve.distributed.comm import Group
 from hyserve.distributed.config import ParallelConfig
 
-# How long a rank waits in a collective for its peers before the step fails with a CollectiveError.
-# NCCL's own default is 10 minutes too; a step's imbalance between ranks stays far below it.
-DEFAULT_TIMEOUT_S = float(os.environ.get("HYSERVE_DIST_TIMEOUT_S", "600"))
+
+def default_timeout_s() -> float:
+    """How long a rank waits in a collective for its peers before the step fails with a CollectiveError:
+    HYSERVE_DIST_TIMEOUT_S, 600 s by default (NCCL's own default too; a step's imbalance between ranks
+    stays far below it)."""
+    return envs.get().dist_timeout_s
 
 
 @dataclass
@@ -40,14 +43,16 @@ def single_process_state(config: ParallelConfig | None = None, device: str | tor
     if config.world_size != 1:
         raise ValueError("single_process_state is for tensor_parallel_size 1")
     dev = torch.device(device)
-    g = _one("tp", 0, DEFAULT_TIMEOUT_S, dev)
+    g = _one("tp", 0, default_timeout_s(), dev)
     return ParallelState(config, 0, g, g, g, dev)
 
 
 def join(world_size: int, rank: int, store: dist.Store, *, device: str | torch.device = "cpu",
-         backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """Join the job's default process group as `rank` through `store` (the engine process hosts a TCPStore)."""
+         backend: str | None = None, timeout_s: float | None = None) -> None:
+    """Join the job's default process group as `rank` through `store` (the engine process hosts a TCPStore);
+    `timeout_s` None: `default_timeout_s()`."""
     dev = torch.device(device)
+    timeout_s = default_timeout_s() if timeout_s is None else timeout_s
     backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
     kwargs = {"device_id": dev} if dev.type == "cuda" else {}
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
@@ -55,10 +60,11 @@ def join(world_size: int, rank: int, store: dist.Store, *, device: str | torch.d
 
 
 def make_state(config: ParallelConfig, rank: int, *, device: str | torch.device = "cpu",
-               timeout_s: float = DEFAULT_TIMEOUT_S) -> ParallelState:
+               timeout_s: float | None = None) -> ParallelState:
     """The groups of `config` over the joined job. Every rank must call it with the same config, in the
     same order as its other calls: creating a subgroup is itself collective."""
     world, dev = config.world_size, torch.device(device)
+    timeout_s = default_timeout_s() if timeout_s is None else timeout_s
     if world == 1:
         return single_process_state(config, dev)
     if dist.get_world_size() != world:
@@ -84,7 +90,7 @@ def make_state(config: ParallelConfig, rank: int, *, device: str | torch.device 
 
 def init_parallel(
     config: ParallelConfig, rank: int, store: dist.Store, *, device: str | torch.device = "cpu",
-    backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+    backend: str | None = None, timeout_s: float | None = None,
 ) -> ParallelState:
     """`join` then `make_state`: one rank's setup for one layout."""
     if config.world_size > 1:

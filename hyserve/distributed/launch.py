@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hyserve.distributed.config import ParallelConfig
-from hyserve.distributed.groups import DEFAULT_TIMEOUT_S, join, make_state, shutdown
+from hyserve.distributed.groups import default_timeout_s, join, make_state, shutdown
 
 _POLL_S = 0.1
 
@@ -58,8 +58,9 @@ class RankPool:
     """`config.world_size` worker processes (spawned: CUDA and a forked parent do not mix). device "cuda"
     gives rank r the GPU cuda:r (and NCCL); "cpu" gives gloo."""
 
-    def __init__(self, config: ParallelConfig, *, device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S,
+    def __init__(self, config: ParallelConfig, *, device: str = "cpu", timeout_s: float | None = None,
                  start_timeout_s: float = 180.0, threads: int | None = None):
+        timeout_s = default_timeout_s() if timeout_s is None else timeout_s
         self.config, self.timeout_s, self.world = config, timeout_s, config.world_size
         threads = threads or max(1, (os.cpu_count() or 1) // self.world)
         # port 0: the OS picks a free port, so concurrent pools (and test runs) never collide

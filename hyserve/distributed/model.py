@@ -25,25 +25,30 @@ from hyserve.models.batch import Batch, CacheTensors
 from hyserve.models.config import ModelConfig, with_changes
 from hyserve.models.kimi import KimiForCausalLM
 from hyserve.models.layers.moe import glu_of
+from hyserve.ops.kernel_plan import KernelPlan, active
 
 
-def local_config(cfg: ModelConfig, tp: int) -> ModelConfig:
-    """The shapes one of `tp` ranks holds: heads, the dense width and vocab rows divided (routed-expert
-    widths are the MoE block's business: they depend on EP)."""
+def local_config(cfg: ModelConfig, tp: int, expert_parallel: bool = False) -> ModelConfig:
+    """The shapes one of `tp` ranks holds: heads, the dense width and vocab rows divided, and the routed and
+    shared experts' width unless the experts are split by expert instead (EP). The rank model's kernel plan
+    and cache are planned from these."""
+    moe_inter = cfg.moe_intermediate_size if expert_parallel else cfg.moe_intermediate_size // tp
     return with_changes(
         cfg, num_attention_heads=cfg.num_attention_heads // tp, kda_num_heads=cfg.kda_num_heads // tp,
         intermediate_size=cfg.intermediate_size // tp, vocab_size=math.ceil(cfg.vocab_size / tp),
+        moe_intermediate_size=moe_inter,
     )
 
 
 class ParallelCausalLM(KimiForCausalLM):
     """The model as one rank runs it. `config` holds the rank's shapes (so `make_cache` sizes the rank's
-    state slots: its KDA heads only); `full_config` is the model's. forward and compute_logits have the
-    single-device contract: replicated hidden states [T, D] and full fp32 logits [T, vocab] on every rank."""
+    state slots: its KDA heads only, and `kernel_plan` is decided for the rank's projections); `full_config`
+    is the model's. forward and compute_logits have the single-device contract: replicated hidden states
+    [T, D] and full fp32 logits [T, vocab] on every rank."""
 
     def __init__(self, cfg: ModelConfig, ctx: StepContext):
         tp = ctx.state.tp.size
-        local = local_config(cfg, tp)
+        local = local_config(cfg, tp, expert_parallel=ctx.state.ep.size > 1)
         super().__init__(local)
         self.full_config, self.ctx = cfg, ctx
         m = self.model
@@ -62,13 +67,17 @@ class ParallelCausalLM(KimiForCausalLM):
             else:
                 layer.mlp = TPDenseMLP(cfg.hidden_size, local.intermediate_size, glu_of(cfg), ctx)
 
-    def forward(self, input_ids: torch.Tensor, batch: Batch, cache: CacheTensors) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, batch: Batch, cache: CacheTensors,
+                plan: KernelPlan | None = None) -> torch.Tensor:
+        """The single-device forward over the rank's layers, each handed `plan` (default: the rank model's
+        `kernel_plan`, decided from its shapes)."""
         self.ctx.num_tokens = int(input_ids.shape[0])
-        hidden = self.model(input_ids, batch, cache)
+        hidden = self.model(input_ids, batch, cache, active(plan or self.kernel_plan))
         return self.ctx.gather_tokens(hidden) if self.ctx.sequence_parallel else hidden
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        logits = vocab_parallel_logits(hidden, self.lm_head.weight, self.full_config.vocab_size, self.ctx)
+        logits = vocab_parallel_logits(hidden, self.lm_head.weight, self.full_config.vocab_size, self.ctx,
+                                       active(self.kernel_plan))
         return logits if out is None else out.copy_(logits)
 
 

@@ -23,6 +23,7 @@ from hyserve.distributed.context import StepContext
 from hyserve.distributed.ep import ep_experts_forward, local_experts_forward
 from hyserve.models.config import ModelConfig, with_changes
 from hyserve.models.layers.moe import MoE
+from hyserve.ops.kernel_plan import KernelPlan, active
 
 
 class ParallelMoE(MoE):
@@ -39,22 +40,23 @@ class ParallelMoE(MoE):
         elif self.latent:
             self.routed_expert_up_proj = nn.Linear(cfg.latent_moe_dim, cfg.hidden_size // tp, bias=False)
 
-    def forward(self, x: torch.Tensor, experts_fn=None, summed: bool = True) -> torch.Tensor:
-        if experts_fn is not None:
-            raise ValueError("a parallel MoE picks its own expert kernel")
-        return self._forward_ep(x) if self.expert_parallel else self._forward_tp(x)
+    def forward(self, x: torch.Tensor, summed: bool = True, plan: KernelPlan | None = None) -> torch.Tensor:
+        """`MoE.forward`'s contract with the kernels `plan` picks; always summed (the block's output is
+        reduced or gathered over the ranks, so the decode kernels' unsummed pairs cannot leave it)."""
+        plan = active(plan)
+        return self._forward_ep(x, plan) if self.expert_parallel else self._forward_tp(x, plan)
 
     def _latent_in(self, x: torch.Tensor) -> torch.Tensor:
         return self.routed_expert_down_proj(x) if self.latent else x
 
-    def _forward_tp(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward_tp(self, x: torch.Tensor, plan: KernelPlan) -> torch.Tensor:
         ctx, tp = self.ctx, self.ctx.state.tp
         full = ctx.gather_input(x)
-        ids, w = self.gate(full)
-        y = local_experts_forward(self._latent_in(full), ids, w, self.w13, self.w2, self.act)
+        ids, w = self.gate(full, plan)
+        y = local_experts_forward(self._latent_in(full), ids, w, self.w13, self.w2, self.act, plan)
         if not self.latent:
             if self.shared_experts is not None:
-                y = y + self.shared_experts(full)
+                y = y + self.shared_experts(full, plan)
             out = tp.all_reduce(y)
         else:
             y = tp.all_reduce(y)
@@ -62,18 +64,18 @@ class ParallelMoE(MoE):
                 y = self.routed_expert_norm(y)
             y = self.routed_expert_up_proj(y)  # [T, D / TP]: this rank's columns
             if self.shared_experts is not None:
-                y = y + tp.reduce_scatter(self.shared_experts(full), dim=-1)
+                y = y + tp.reduce_scatter(self.shared_experts(full, plan), dim=-1)
             out = tp.all_gather(y, dim=-1)
         return ctx.own_shard(out) if ctx.sequence_parallel else out
 
-    def _forward_ep(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward_ep(self, x: torch.Tensor, plan: KernelPlan) -> torch.Tensor:
         ctx = self.ctx
-        ids, w = self.gate(x)
+        ids, w = self.gate(x, plan)
         xe = self._latent_in(x)
         a, b = ctx.token_range()
         if ctx.sequence_parallel:  # x is this rank's shard: its real rows come first
             a, b = 0, b - a
-        y = ep_experts_forward(xe[a:b], ids[a:b], w[a:b], self.w13, self.w2, self.act, ctx.state.ep)
+        y = ep_experts_forward(xe[a:b], ids[a:b], w[a:b], self.w13, self.w2, self.act, ctx.state.ep, plan)
         y = ctx.pad_tokens_to_shard(y)
         if not ctx.sequence_parallel:
             y = ctx.gather_tokens(y)
@@ -82,5 +84,5 @@ class ParallelMoE(MoE):
                 y = self.routed_expert_norm(y)
             y = self.routed_expert_up_proj(y)
         if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
+            y = y + self.shared_experts(x, plan)
         return y

@@ -17,6 +17,7 @@ from hyserve.models.layers.kda import KimiDeltaAttention
 from hyserve.models.layers.mla import MLAttention
 from hyserve.models.layers.moe import DenseMLP
 from hyserve.ops.dense_gemv import linear
+from hyserve.ops.kernel_plan import KernelPlan, active
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -42,8 +43,8 @@ class _RowParallelAttention:
         super().__init__(local_cfg, layer_index)
         self.ctx = ctx
 
-    def forward(self, x: torch.Tensor, batch: Batch, cache: CacheTensors) -> torch.Tensor:
-        return self.ctx.reduce(super().forward(self.ctx.gather_input(x), batch, cache))
+    def forward(self, x: torch.Tensor, batch: Batch, cache: CacheTensors, plan: KernelPlan | None = None) -> torch.Tensor:
+        return self.ctx.reduce(super().forward(self.ctx.gather_input(x), batch, cache, plan))
 
 
 class TPKimiDeltaAttention(_RowParallelAttention, KimiDeltaAttention):
@@ -64,11 +65,13 @@ class TPDenseMLP(DenseMLP):
         super().__init__(dim, local_inter, act)
         self.ctx = ctx
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ctx.reduce(super().forward(self.ctx.gather_input(x)))
+    def forward(self, x: torch.Tensor, plan: KernelPlan | None = None) -> torch.Tensor:
+        return self.ctx.reduce(super().forward(self.ctx.gather_input(x), plan))
 
 
-def vocab_parallel_logits(hidden: torch.Tensor, head_rows: torch.Tensor, vocab_size: int, ctx: StepContext) -> torch.Tensor:
-    """fp32 logits [T, vocab]: this rank's head rows, then one all-gather along the vocabulary."""
-    local = linear(hidden, head_rows).float()
+def vocab_parallel_logits(hidden: torch.Tensor, head_rows: torch.Tensor, vocab_size: int, ctx: StepContext,
+                          plan: KernelPlan | None = None) -> torch.Tensor:
+    """fp32 logits [T, vocab]: this rank's head rows (the GEMV `plan` gives one token), then one all-gather
+    along the vocabulary."""
+    local = linear(hidden, head_rows, config=active(plan).linear_gemv(hidden, head_rows)).float()
     return ctx.state.tp.all_gather(local, dim=-1)[:, :vocab_size]

@@ -5,8 +5,8 @@ Every step runs the target over fixed-shape rows (hyserve/train/rows.py) once, w
 reads two things off that forward: the hidden states of the drafter's target layers at every position
 (the context features, hyserve/spec_decode/target_features.py) and the target's logits at the block
 positions of the sampled anchors (the soft labels). Only the drafter learns; the target's embedding and
-lm_head are shared with it and stay frozen. On CUDA with fla-core the target runs the training kernels
-(hyserve/train/packed.py), under bf16 autocast like the drafter.
+lm_head are shared with it and stay frozen. The target runs its training plan (`kernel_plan.for_training()`,
+docs/ARCHITECTURE.md §7.3: fla chunk_kda on CUDA with fla-core), under bf16 autocast like the drafter.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class TargetPass:
         self.dev = model.lm_head.weight.device
         self.batch = row_batch(rows, row_len, self.dev)
         self.cache = scratch_cache(model, self.batch)
-        self.use_fla = use_fla
+        self.plan = model.kernel_plan.for_training(fla=use_fla)
 
     def autocast(self):
         return torch.autocast("cuda", dtype=torch.bfloat16) if self.dev.type == "cuda" else \
@@ -96,11 +96,8 @@ class TargetPass:
     @torch.no_grad()
     def __call__(self, ids: torch.Tensor, anchor_pos: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
         """ids [R, L] -> (features [R, L, m*D], target logits [R, A, γ, V] at a+j)."""
-        from hyserve.train.packed import training_kernels
-
-        with training_kernels(self.model, enable=self.use_fla), tap_features(self.model, self.layer_ids) as tap, \
-                self.autocast():
-            hidden = self.model(ids.reshape(-1), self.batch, self.cache)
+        with tap_features(self.model, self.layer_ids) as tap, self.autocast():
+            hidden = self.model(ids.reshape(-1), self.batch, self.cache, self.plan)
         feats = tap.features().view(self.rows, self.row_len, -1)
         pos, _ = block_index(anchor_pos, block, self.row_len)
         sel = torch.gather(hidden.view(self.rows, self.row_len, -1), 1,
@@ -128,7 +125,6 @@ def train_drafter(model, examples: Sequence[Example], cfg: DrafterTrainConfig, *
                   deadline: float = float("inf"), use_fla: bool = True, progress: bool = True,
                   drafter: DSparkDrafter | None = None) -> tuple[DSparkDrafter, DrafterTrainLog]:
     """Train a new drafter (or `drafter`) on `examples` within the budget and the deadline."""
-    from hyserve.ops.dispatch import has_fla
     from hyserve.train.rows import row_batches
 
     model.eval().requires_grad_(False)
@@ -140,7 +136,7 @@ def train_drafter(model, examples: Sequence[Example], cfg: DrafterTrainConfig, *
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     batches = row_batches(examples, cfg.rows, cfg.row_len, pad_id, cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
-    log = DrafterTrainLog(used_fla=use_fla and has_fla() and dev.type == "cuda")
+    log = DrafterTrainLog(used_fla=target.plan.train_fla)
 
     def step(rb, lr: float | None) -> dict:
         ids, targets, pos, keep = _step_inputs(rb, cfg, gen, dev)
