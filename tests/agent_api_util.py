@@ -28,6 +28,14 @@ JSON_DUMPS_DOC = ("json.dumps(obj, *, skipkeys=False, ensure_ascii=True, indent=
                   "Serialize ``obj`` to a JSON formatted ``str``.")
 
 
+def nested_schema(depth: int) -> dict:
+    """A JSON schema of `depth` nested objects (2 * depth JSON levels): past the edge's limit of 64."""
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
 def _samples(url: str) -> dict[str, tuple[float, dict]]:
     text = httpx.get(f"{url}/metrics", timeout=30).text
     return {s.name: (s.value, s.labels) for fam in text_string_to_metric_families(text) for s in fam.samples}

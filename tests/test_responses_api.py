@@ -18,6 +18,7 @@ from tests.agent_api_util import (
     WEATHER_PARAMETERS,
     api_server,
     assert_pool_idle,
+    nested_schema,
     post,
     sse_events,
     stream_then_disconnect,
@@ -230,6 +231,18 @@ BAD_REQUESTS = [
     (b'{"input": ', 400, None, "Invalid JSON"),
     (b'{"input": "hi", "temperature": NaN}', 400, "temperature", "temperature"),
     (b'{"input": "\xff\xfe"}', 400, None, "parsing the body"),
+    # the API edge's limits (hyserve/entrypoints/openai/limits.py), as on the chat path
+    (b'{"input": "hi", "instructions": "\\udfff"}', 400, "instructions", "instructions is not valid Unicode"),
+    (b'{"input": [{"type": "function_call_output", "call_id": "c", "output": "\\ud800"}]}', 400, "input",
+     "input[0].output is not valid Unicode"),
+    ({"input": "hi", "tools": [{**WEATHER, "parameters": nested_schema(150)}]}, 400, "tools",
+     "tools nests deeper than 64 levels"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": nested_schema(150)}}}, 400,
+     "text", "text nests deeper than 64"),
+    (b'{"input": ' + b'[' * 100_000 + b']' * 100_000 + b'}', 400, None, "parsing the body"),
+    ({"input": "hi", "prompt": {"id": "p"}}, 400, "prompt", "prompt templates"),
+    ({"input": "hi", "conversation": "c"}, 400, "conversation", "conversations are not supported"),
+    ({"input": "hi", "top_logprobs": 2}, 400, "top_logprobs", "logprobs"),
 ]
 
 

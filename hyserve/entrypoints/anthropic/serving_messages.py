@@ -23,10 +23,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from hyserve.entrypoints.anthropic import messages_docs as docs
 from hyserve.entrypoints.anthropic.messages_input import CHAT_PARAMS, chat_request
 from hyserve.entrypoints.anthropic.protocol import (
     CountTokensRequest,
-    ErrorResponse,
     MessagesRequest,
     error_body,
     from_api_error,
@@ -45,17 +45,6 @@ from hyserve.entrypoints.openai.turn_blocks import (
 )
 
 log = logging.getLogger("hyserve.anthropic")
-
-_DESCRIPTIONS = {400: "Invalid request", 401: "Invalid or missing API key", 404: "No such model",
-                 500: "Internal error", 503: "The engine is not running", 529: "The server is overloaded"}
-ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    **{code: {"model": ErrorResponse, "description": text} for code, text in _DESCRIPTIONS.items()},
-    "4XX": {"model": ErrorResponse, "description": "Any other client error, in the same shape"},
-}
-_CREATED = {200: {"description": "A Message; with `stream: true`, an SSE stream of message events",
-                  "content": {"application/json": {"schema": {"type": "object"}},
-                              "text/event-stream": {"schema": {"type": "string"}}}}}
-
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message), status_code=status, headers=headers)
@@ -201,11 +190,11 @@ async def create_message(state: ServerState, req: MessagesRequest, request: Requ
 def messages_router(state: Callable[[], ServerState]) -> APIRouter:
     router = APIRouter(route_class=AnthropicRoute, tags=["anthropic"])
 
-    @router.post("/v1/messages", responses={**_CREATED, **ERROR_RESPONSES})
+    @router.post("/v1/messages", responses=docs.CREATE)
     async def messages_create(req: MessagesRequest, request: Request):
         return await create_message(state(), req, request)
 
-    @router.post("/v1/messages/count_tokens", responses=ERROR_RESPONSES)
+    @router.post("/v1/messages/count_tokens", responses=docs.COUNT_TOKENS)
     async def messages_count_tokens(req: CountTokensRequest) -> dict:
         return {"input_tokens": len(render_chat_prompt(state(), chat_request(req)).ids)}
 

@@ -14,7 +14,8 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, Field
 
-from hyserve.entrypoints.openai.protocol import BOUND_KEY, ErrorResponse, UsageInfo
+from hyserve.entrypoints.openai.protocol import ErrorResponse, UsageInfo
+from hyserve.entrypoints.strict_models import BOUND_KEY
 
 # ---- response bodies (documentation only: handlers build dicts, which these describe) ----------------
 
@@ -93,23 +94,27 @@ _ERRORS = {
     500: "The engine failed on this request.",
     503: "The engine is not running (the server exits so that its supervisor restarts it), or the waiting "
          "queue is full (--max-waiting-requests, with Retry-After).",
+    529: "The waiting queue is full (--max-waiting-requests, with Retry-After): Anthropic's overloaded_error.",
 }
 # OpenAPI 3.1 reads an event stream's `schema` as the schema of one event.
 _SSE = {"text/event-stream": {"schema": {
     "type": "object", "required": ["data"],
     "properties": {"data": {"type": "string", "contentMediaType": "application/json",
-                            "description": "one chunk of the answer, an error object ({\"error\": ...}), or the "
-                                           "final `[DONE]`"},
-                   "event": {"type": "string"}},
+                            "description": "one chunk or event of the answer (JSON), an error object, or (chat "
+                                           "and completions) the final `[DONE]`"},
+                   "event": {"type": "string", "description": "the event's type (Responses and Messages APIs)"}},
 }}}
 
 
-def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
-    return {c: {"model": ErrorResponse, "description": _ERRORS[c]} for c in codes}
+def errors(*codes: int, model: type[BaseModel] = ErrorResponse,
+           notes: dict[int, str] | None = None) -> dict[int | str, dict[str, Any]]:
+    """The error answers `codes`, each with a body of `model` (another API's error shape) and `notes`
+    saying what a code means on this route where the general description does not."""
+    return {c: {"model": model, "description": (notes or {}).get(c) or _ERRORS[c]} for c in codes}
 
 
-def json_ok(model: type[BaseModel], *, stream: bool = False) -> dict[int | str, dict[str, Any]]:
-    ok: dict[str, Any] = {"model": model, "description": "Success" + (" (text/event-stream when `stream`)" if stream else "")}
+def json_ok(model: type[BaseModel], *, stream: bool = False, what: str = "Success") -> dict[int | str, dict[str, Any]]:
+    ok: dict[str, Any] = {"model": model, "description": what + (" (text/event-stream when `stream`)" if stream else "")}
     if stream:
         ok["content"] = dict(_SSE)
     return {200: ok}

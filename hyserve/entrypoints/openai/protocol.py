@@ -1,9 +1,9 @@
 """Request and response models of the OpenAI-compatible API (docs/ARCHITECTURE.md §8.3).
 
 Unknown request fields are ignored (clients send options meant for other servers). Known fields are
-strictly typed, as in OpenAI's API: `"stream": "yes"`, `"max_tokens": "8"` or `"n": true` are refused,
-not coerced. The value ranges the server enforces are part of the schema (and so of /openapi.json), and
-`limits.check_body` bounds nesting, size and text validity first. Every failure is an HTTP 400; every
+strictly typed, as in OpenAI's API (`strict_models`): `"stream": "yes"`, `"max_tokens": "8"` or `"n": true`
+are refused, not coerced. The value ranges the server enforces are part of the schema (and so of
+/openapi.json), and `limits.check_body` bounds nesting, size and text validity first. Every failure is an HTTP 400; every
 known field takes effect or is rejected with a 400 naming it, except `user`, which is informational only
 (as in OpenAI's API).
 """
@@ -13,45 +13,15 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from hyserve.entrypoints.openai.limits import check_body
+from hyserve.entrypoints.strict_models import MaxTokens, NonEmptyStr, RequestBody, StrictModel, TokenId, integer
 from hyserve.sampling_params import MAX_LOGPROBS, MAX_N, SEED_MAX, SEED_MIN
 
-
-class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
-
-
-class RequestBody(OpenAIModel):
-    """A whole request body: checked against `limits` before its fields are validated."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _within_limits(cls, data: Any) -> Any:
-        return check_body(data)
-
-
-def _integral(value: Any) -> Any:
-    """JSON Schema counts 8.0 as an integer, so the server does too; strings and booleans stay refused."""
-    return int(value) if isinstance(value, float) and value.is_integer() else value
-
-
-def integer(**constraints: Any) -> Any:
-    """An int field type: strict (no strings, no booleans), but taking 8.0 for 8 as JSON Schema does.
-    The constraints go before the coercion, so they appear in the JSON schema as minimum/maximum."""
-    return Annotated[int, Field(**constraints), BeforeValidator(_integral)]
-
-
-# Upper bounds known only once the engine runs are filled into /openapi.json by `api_docs` (BOUND_KEY).
-BOUND_KEY = "x-hyserve-bound"
-NonEmptyStr = Annotated[str, Field(min_length=1)]
-TokenId = integer(ge=0, json_schema_extra={BOUND_KEY: "vocab_size"})
 Logprobs = integer(ge=0, le=MAX_LOGPROBS)
-MaxTokens = integer(ge=1, json_schema_extra={BOUND_KEY: "max_model_len"})
 
 
-class ChatMessageParam(OpenAIModel):
+class ChatMessageParam(StrictModel):
     """One message of a conversation. Other fields (tool_calls, tool_call_id, name, reasoning, ...) pass
     through to the chat encoder, which checks the conversation as a whole."""
 
@@ -68,17 +38,17 @@ def _as_dicts(messages: list[ChatMessageParam]) -> list[dict[str, Any]]:
 Messages = Annotated[list[ChatMessageParam], Field(min_length=1), AfterValidator(_as_dicts)]
 
 
-class StreamOptions(OpenAIModel):
+class StreamOptions(StrictModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class ResponseFormat(OpenAIModel):
+class ResponseFormat(StrictModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: dict[str, Any] | None = None
 
 
-class StructuredOutputs(OpenAIModel):
+class StructuredOutputs(StrictModel):
     """vLLM's `structured_outputs` extra field: exactly one constraint."""
 
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")

@@ -162,7 +162,6 @@ def build_app(args: argparse.Namespace, on_engine_dead: Callable[[str], None] | 
     app.include_router(responses_router(state))
     app.include_router(messages_router(state))
 
-    @app.post("/tokenize")
     @app.post("/tokenize", responses={**api_docs.json_ok(api_docs.TokenizeResponse), **api_docs.TOKENS})
     async def tokenize(req: TokenizeRequest) -> dict:
         s = state()
