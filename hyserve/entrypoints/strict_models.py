@@ -50,9 +50,11 @@ def integer(**constraints: Any) -> Any:
     return Annotated[int, Field(**constraints), BeforeValidator(_integral)]
 
 
-# Upper bounds known only once the engine runs are filled into /openapi.json by `api_docs` (BOUND_KEY).
+# Bounds known only once the engine runs are filled into /openapi.json by `api_docs` (BOUND_KEY): the
+# maximum of a number, the names a model may be called by.
 BOUND_KEY = "x-hyserve-bound"
 NonEmptyStr = Annotated[str, Field(min_length=1)]
+ModelName = Annotated[str, Field(json_schema_extra={BOUND_KEY: "model_names"})]
 TokenId = integer(ge=0, json_schema_extra={BOUND_KEY: "vocab_size"})
 MaxTokens = integer(ge=1, json_schema_extra={BOUND_KEY: "max_model_len"})
 

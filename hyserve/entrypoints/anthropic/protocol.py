@@ -17,6 +17,7 @@ from pydantic import AfterValidator, BaseModel, Field, WithJsonSchema
 from hyserve.entrypoints.openai.protocol import APIError
 from hyserve.entrypoints.strict_models import (
     MaxTokens,
+    ModelName,
     NonEmptyStr,
     RequestBody,
     StrictModel,
@@ -162,7 +163,7 @@ class Metadata(StrictModel):
 class CountTokensRequest(RequestBody):
     schema_fields = frozenset({"tools", "tool_choice", "output_config"})
 
-    model: str
+    model: ModelName
     messages: list[Message] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
     tools: list[AnyTool] | None = None

@@ -2,7 +2,7 @@
 server can answer, all errors in the OpenAI error shape (`ErrorResponse`). FastAPI's default 422
 validation body is never sent (validation errors are 400s), so it is taken out of the document. Bounds
 that depend on the served model (token ids below the vocabulary size, max_tokens below the context
-length) are filled in once the engine runs.
+length, the names the model is served by) are filled in once the engine runs.
 """
 
 from __future__ import annotations
@@ -126,20 +126,22 @@ HEALTH = {200: {"description": "The engine is running (empty body).", "content":
 METRICS = {200: {"description": "Prometheus text format.", "content": {"text/plain": {"schema": {"type": "string"}}}}}
 
 
-def _fill_bounds(node: Any, bounds: dict[str, int]) -> None:
-    """Give every schema marked with BOUND_KEY its `maximum` (exclusive of the bound: ids < vocab_size)."""
+def _fill_bounds(node: Any, bounds: dict[str, Any]) -> None:
+    """Give every schema marked with BOUND_KEY its bound: a `maximum` (exclusive of the bound: ids <
+    vocab_size), or the `enum` of the names a model is served by."""
     stack = [node]
     while stack:
         n = stack.pop()
         if isinstance(n, dict):
             if n.get(BOUND_KEY) in bounds:
-                n["maximum"] = bounds[n.pop(BOUND_KEY)] - 1
+                bound = bounds[n.pop(BOUND_KEY)]
+                n.update({"enum": bound} if isinstance(bound, list) else {"maximum": bound - 1})
             stack.extend(n.values())
         elif isinstance(n, list):
             stack.extend(n)
 
 
-def install_openapi(app: FastAPI, bounds: Callable[[], dict[str, int] | None]) -> None:
+def install_openapi(app: FastAPI, bounds: Callable[[], dict[str, Any] | None]) -> None:
     """Generate the document once the engine runs (`bounds()` not None), without FastAPI's 422s."""
 
     def openapi() -> dict[str, Any]:

@@ -15,7 +15,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from hyserve.entrypoints.strict_models import MaxTokens, NonEmptyStr, RequestBody, StrictModel, TokenId, integer
+from hyserve.entrypoints.strict_models import (
+    MaxTokens,
+    ModelName,
+    NonEmptyStr,
+    RequestBody,
+    StrictModel,
+    TokenId,
+    integer,
+)
 from hyserve.sampling_params import MAX_LOGPROBS, MAX_N, SEED_MAX, SEED_MIN
 
 Logprobs = integer(ge=0, le=MAX_LOGPROBS)
@@ -60,7 +68,7 @@ class StructuredOutputs(StrictModel):
 class SamplingRequest(RequestBody):
     """Fields shared by completions and chat completions."""
 
-    model: str | None = None
+    model: ModelName | None = None
     n: integer(ge=1, le=MAX_N) = 1
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -117,14 +125,14 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class TokenizeCompletionRequest(RequestBody):
-    model: str | None = None
+    model: ModelName | None = None
     prompt: str
     add_special_tokens: bool = True
     return_token_strs: bool = False
 
 
 class TokenizeChatRequest(RequestBody):
-    model: str | None = None
+    model: ModelName | None = None
     messages: Messages
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
@@ -138,7 +146,7 @@ TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
 
 
 class DetokenizeRequest(RequestBody):
-    model: str | None = None
+    model: ModelName | None = None
     tokens: list[TokenId]
 
 

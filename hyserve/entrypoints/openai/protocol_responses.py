@@ -14,7 +14,15 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field
 from pydantic_core import PydanticCustomError
 
-from hyserve.entrypoints.strict_models import MaxTokens, RequestBody, StrictModel, integer, refused, tagged_union
+from hyserve.entrypoints.strict_models import (
+    MaxTokens,
+    ModelName,
+    RequestBody,
+    StrictModel,
+    integer,
+    refused,
+    tagged_union,
+)
 
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 Status = Literal["in_progress", "completed", "incomplete"]
@@ -176,7 +184,7 @@ class ResponsesStreamOptions(StrictModel):
 class ResponsesRequest(RequestBody):
     schema_fields = frozenset({"tools", "tool_choice", "text"})
 
-    model: str | None = None
+    model: ModelName | None = None
     input: str | list[InputItem]
     instructions: str | None = None
     tools: list[Tool] = []
@@ -211,7 +219,7 @@ class InputTokensRequest(RequestBody):
 
     schema_fields = ResponsesRequest.schema_fields
 
-    model: str | None = None
+    model: ModelName | None = None
     input: str | list[InputItem] | None = None
     instructions: str | None = None
     tools: list[Tool] = []

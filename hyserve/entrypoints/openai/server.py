@@ -115,9 +115,10 @@ def build_app(args: argparse.Namespace, on_engine_dead: Callable[[str], None] | 
     app = FastAPI(title="hyserve", version=hyserve.__version__, lifespan=lifespan)
     app.add_middleware(RequestIdAndAuth, api_key=args.api_key)
 
-    def bounds() -> dict[str, int] | None:
+    def bounds() -> dict[str, Any] | None:
         s = holder.get("state")
-        return None if s is None else {"vocab_size": int(s.client.info["vocab_size"]), "max_model_len": s.max_model_len}
+        return None if s is None else {"vocab_size": int(s.client.info["vocab_size"]), "max_model_len": s.max_model_len,
+                                       "model_names": list(dict.fromkeys((s.served_model_name, s.model_path)))}
 
     api_docs.install_openapi(app, bounds)
 

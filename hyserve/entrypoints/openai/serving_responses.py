@@ -16,6 +16,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import AfterValidator
 from pydantic_core import PydanticCustomError
+from starlette.convertors import StringConvertor, register_url_convertor
 
 from hyserve.entrypoints.openai import responses_docs as docs
 from hyserve.entrypoints.openai.protocol import APIError
@@ -41,6 +42,16 @@ def _no_stream(stream: bool) -> bool:
         raise PydanticCustomError("unsupported", "streaming a stored response is not supported")
     return stream
 
+
+class _ResponseId(StringConvertor):
+    """A path segment naming a stored response: any but `input_tokens`, whose path is its own route (so
+    that GET /v1/responses/input_tokens is a 405, as the document says, not a lookup of that id)."""
+
+    regex = "(?!input_tokens$)[^/]+"
+
+
+register_url_convertor("response_id", _ResponseId())
+_BY_ID = "/v1/responses/{response_id:response_id}"
 
 # Accepted as OpenAI's API has it, so that the SDK's retrieve works; only false is served.
 NoStream = Annotated[bool, AfterValidator(_no_stream),
@@ -138,11 +149,11 @@ def responses_router(state: Callable[[], ServerState]) -> APIRouter:
     async def responses_input_tokens(req: InputTokensRequest) -> dict:
         return count_input_tokens(state(), req)
 
-    @router.get("/v1/responses/{response_id}", responses=docs.RETRIEVE)
+    @router.get(_BY_ID, responses=docs.RETRIEVE)
     async def responses_retrieve(response_id: str, stream: NoStream = False) -> dict:
         return _stored(state(), response_id).body
 
-    @router.delete("/v1/responses/{response_id}", responses=docs.DELETE)
+    @router.delete(_BY_ID, responses=docs.DELETE)
     async def responses_delete(response_id: str) -> dict:
         _stored(state(), response_id)
         response_store(state()).delete(response_id)
