@@ -7,8 +7,6 @@ After every test the pool is empty again.
 from __future__ import annotations
 
 import json
-import os
-from unittest import mock
 
 import httpx
 import openai
@@ -33,7 +31,7 @@ FORCED = {"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": 
 
 @pytest.fixture(scope="module")
 def server():
-    with mock.patch.dict(os.environ, {"HYSERVE_RESPONSES_STORE_SIZE": "4"}), api_server() as url:
+    with api_server("--responses-store-size", "4") as url:
         yield url
 
 

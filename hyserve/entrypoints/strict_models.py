@@ -50,13 +50,13 @@ def integer(**constraints: Any) -> Any:
     return Annotated[int, Field(**constraints), BeforeValidator(_integral)]
 
 
-# Bounds known only once the engine runs are filled into /openapi.json by `api_docs` (BOUND_KEY): the
+# Bounds known only once the server runs are filled into /openapi.json by `api_docs` (BOUND_KEY): the
 # maximum of a number, the names a model may be called by.
 BOUND_KEY = "x-hyserve-bound"
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 ModelName = Annotated[str, Field(json_schema_extra={BOUND_KEY: "model_names"})]
-TokenId = integer(ge=0, json_schema_extra={BOUND_KEY: "vocab_size"})
-MaxTokens = integer(ge=1, json_schema_extra={BOUND_KEY: "max_model_len"})
+TokenId = integer(ge=0, json_schema_extra={BOUND_KEY: "token_id"})
+MaxTokens = integer(ge=1, json_schema_extra={BOUND_KEY: "max_tokens"})
 
 
 class Unsupported(BaseModel):

@@ -127,15 +127,15 @@ METRICS = {200: {"description": "Prometheus text format.", "content": {"text/pla
 
 
 def _fill_bounds(node: Any, bounds: dict[str, Any]) -> None:
-    """Give every schema marked with BOUND_KEY its bound: a `maximum` (exclusive of the bound: ids <
-    vocab_size), or the `enum` of the names a model is served by."""
+    """Give every schema marked with BOUND_KEY its bound: a `maximum`, or the `enum` of the names a model
+    is served by."""
     stack = [node]
     while stack:
         n = stack.pop()
         if isinstance(n, dict):
             if n.get(BOUND_KEY) in bounds:
                 bound = bounds[n.pop(BOUND_KEY)]
-                n.update({"enum": bound} if isinstance(bound, list) else {"maximum": bound - 1})
+                n.update({"enum": bound} if isinstance(bound, list) else {"maximum": bound})
             stack.extend(n.values())
         elif isinstance(n, list):
             stack.extend(n)

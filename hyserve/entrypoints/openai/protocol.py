@@ -14,8 +14,10 @@ import time
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic_core import PydanticKnownError
 
 from hyserve.entrypoints.strict_models import (
+    BOUND_KEY,
     MaxTokens,
     ModelName,
     NonEmptyStr,
@@ -24,9 +26,18 @@ from hyserve.entrypoints.strict_models import (
     TokenId,
     integer,
 )
-from hyserve.sampling_params import MAX_LOGPROBS, MAX_N, SEED_MAX, SEED_MIN
+from hyserve.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, max_n
 
 Logprobs = integer(ge=0, le=MAX_LOGPROBS)
+
+
+def _at_most_max_n(n: int) -> int:
+    if n > max_n():  # read when a request comes, as HYSERVE_MAX_N_SEQUENCES is (hyserve/envs.py)
+        raise PydanticKnownError("less_than_equal", {"le": max_n()})
+    return n
+
+
+NumChoices = Annotated[integer(ge=1, json_schema_extra={BOUND_KEY: "n"}), AfterValidator(_at_most_max_n)]
 
 
 class ChatMessageParam(StrictModel):
@@ -69,7 +80,7 @@ class SamplingRequest(RequestBody):
     """Fields shared by completions and chat completions."""
 
     model: ModelName | None = None
-    n: integer(ge=1, le=MAX_N) = 1
+    n: NumChoices = 1
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: integer(ge=-1, description="0 or -1: off") | None = None

@@ -59,8 +59,7 @@ NoStream = Annotated[bool, AfterValidator(_no_stream),
 
 
 def response_store(state: ServerState) -> ResponseStore:
-    if "responses_store" not in state.extra:
-        state.extra["responses_store"] = ResponseStore.from_env()
+    """The server's store (`ResponseStore.for_server`, made when the server starts)."""
     return state.extra["responses_store"]
 
 
