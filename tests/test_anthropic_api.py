@@ -181,8 +181,14 @@ def test_count_tokens_counts_system_tools_and_messages(client):
 
 
 def test_disconnect_mid_stream_aborts_the_request(server):
-    body = {"model": MODEL, "max_tokens": 3000, "messages": [{"role": "user", "content": "x" * 500}], "stream": True}
+    body = {"model": MODEL, "max_tokens": 3000, "messages": [{"role": "user", "content": "x" * 500}], "stream": True,
+            "output_config": {"format": api.LONG_FORMAT}}
     api.stream_then_disconnect(server, "/v1/messages", body, AUTH)
+
+
+def test_disconnect_while_waiting_for_a_non_streaming_message_aborts_it_and_frees_its_cache(server):
+    body = {"model": MODEL, "max_tokens": 3000, "messages": TEXT, "output_config": {"format": api.LONG_FORMAT}}
+    api.abandon_while_it_runs(server, "/v1/messages", body, AUTH)
 
 
 TEXT = [{"role": "user", "content": "hi"}]
