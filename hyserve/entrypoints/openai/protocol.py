@@ -11,6 +11,7 @@ known field takes effect or is rejected with a 400 naming it, except `user`, whi
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
@@ -214,6 +215,11 @@ class APIError(Exception):
                  headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.headers = status, message, param, headers
+
+    def renamed(self, params: Mapping[str, str]) -> APIError:
+        """This error with its param in another API's words (a Responses or Messages request runs as a chat
+        request: chat's `max_tokens` is their `max_output_tokens`)."""
+        return APIError(self.status, self.message, params.get(self.param, self.param), self.headers)
 
     def body(self) -> dict[str, Any]:
         info = ErrorInfo(message=self.message, type=ERROR_TYPES.get(self.status, "APIError"),

@@ -63,10 +63,6 @@ def response_store(state: ServerState) -> ResponseStore:
     return state.extra["responses_store"]
 
 
-def in_responses_words(e: APIError) -> APIError:
-    return APIError(e.status, e.message, CHAT_PARAMS.get(e.param, e.param), e.headers)
-
-
 def _history(store: ResponseStore, previous_id: str | None) -> list[dict]:
     if previous_id is None:
         return []
@@ -111,7 +107,7 @@ async def create_response(state: ServerState, req: ResponsesRequest, request: Re
     try:
         run = await start_chat_completion(state, chat_request(req, messages, bool(req.stream)), id_prefix="resp")
     except APIError as e:
-        raise in_responses_words(e) from e
+        raise e.renamed(CHAT_PARAMS) from e
     turn = ResponseTurn(state, req, run, new, response_store(state) if req.store is not False else None)
     max_calls = 1 if req.parallel_tool_calls is False else None
     if req.stream:
@@ -126,7 +122,7 @@ def count_input_tokens(state: ServerState, req: InputTokensRequest) -> dict[str,
     try:
         ids = render_chat_prompt(state, chat_request(req, messages)).ids
     except APIError as e:
-        raise in_responses_words(e) from e
+        raise e.renamed(CHAT_PARAMS) from e
     return {"object": "response.input_tokens", "input_tokens": len(ids)}
 
 
