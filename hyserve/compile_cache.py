@@ -1,14 +1,15 @@
 """Compiled kernels and autotuning results kept between starts, so a restarted server does not compile
 and tune again what the previous one did (the first request after a cold start waited 44 s for that).
 
-Defaults under the hyserve cache root ($HYSERVE_CACHE_ROOT, else $XDG_CACHE_HOME/hyserve, else
-~/.cache/hyserve), each only where the user has not set it:
+Defaults under the hyserve cache root (`envs.cache_root`: $HYSERVE_CACHE_ROOT, else
+$XDG_CACHE_HOME/hyserve, else ~/.cache/hyserve), each only where the user has not set it:
   - TRITON_CACHE_DIR=<root>/triton: Triton's compiled kernels, and its autotuning results;
   - TRITON_CACHE_AUTOTUNING=1: every `triton.autotune` writes its choice there (fla-core's autotuners do
     so already, FLA_CACHE_RESULTS=1 by default, also set here);
   - TORCHINDUCTOR_CACHE_DIR=<root>/inductor: torch.compile's cache, whose default is under /tmp.
 Set when `hyserve` is imported, before Triton, fla-core or torch read them (Triton's autotuners read
-theirs when their kernels are defined).
+theirs when their kernels are defined): this module writes those third-party variables into the process
+environment (`_PROCESS_ENV`), and reads them only to leave a user's own settings alone.
 """
 
 from __future__ import annotations
@@ -16,18 +17,15 @@ from __future__ import annotations
 import os
 from collections.abc import MutableMapping
 
+from hyserve import envs
 
-def cache_root(env: MutableMapping[str, str] = os.environ) -> str:
-    if env.get("HYSERVE_CACHE_ROOT"):
-        return os.path.expanduser(env["HYSERVE_CACHE_ROOT"])
-    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "hyserve")
+_PROCESS_ENV: MutableMapping[str, str] = os.environ
 
 
-def configure_compile_caches(env: MutableMapping[str, str] = os.environ) -> dict[str, str]:
+def configure_compile_caches(env: MutableMapping[str, str] = _PROCESS_ENV) -> dict[str, str]:
     """Fill in the defaults above that `env` lacks; returns what was set. Leaves everything alone where
     the cache root cannot be created (a read-only home): the libraries' own defaults apply then."""
-    root = cache_root(env)
+    root = envs.cache_root(env)
     dirs = {"TRITON_CACHE_DIR": os.path.join(root, "triton"), "TORCHINDUCTOR_CACHE_DIR": os.path.join(root, "inductor")}
     try:
         for key, path in dirs.items():
@@ -41,7 +39,7 @@ def configure_compile_caches(env: MutableMapping[str, str] = os.environ) -> dict
     return added
 
 
-def describe(env: MutableMapping[str, str] = os.environ) -> str:
+def describe(env: MutableMapping[str, str] = _PROCESS_ENV) -> str:
     """For the start-up log: where compiled kernels live and how many a previous start left there."""
     path = env.get("TRITON_CACHE_DIR")
     if not path:

@@ -2,9 +2,12 @@
 
 The switches are read once, on first use, into a frozen `Envs`; whoever needs one reads that object. They
 are switches for debugging and measuring, not configuration: each engine setting has an `EngineConfig`
-field (and a CLI flag), and the two switches that only stand in for a field are aliases, applied where the
-config is resolved (`hyserve.config.resolve_config`). The engine logs the switches that are set when it
-starts.
+field (and a CLI flag), and the switches that only stand in for a field or a flag are aliases, applied
+where the config is resolved (`hyserve.config.resolve_config`) or the flag is read (`hyserve serve`'s
+--responses-store-*). The engine logs the switches that are set when it starts.
+
+One switch is read apart, at `import hyserve`, before anything else is: the cache root
+(`cache_root`), since Triton and torch read the cache directories derived from it when they load.
 """
 
 from __future__ import annotations
@@ -13,6 +16,10 @@ import functools
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+DEFAULT_MAX_N_SEQUENCES = 16384
+DEFAULT_RESPONSES_STORE_SIZE = 4096
+DEFAULT_RESPONSES_STORE_MIB = 256
 
 
 @dataclass(frozen=True)
@@ -34,6 +41,16 @@ SWITCHES = (
            "the default of --prefix-cache-retention-interval (a checkpoint every N tokens; 0 = off)"),
     Switch("HYSERVE_DIST_TIMEOUT_S", "600",
            "seconds a rank waits in a collective for its peers before the step fails (parallel layouts)"),
+    Switch("HYSERVE_MAX_N_SEQUENCES", str(DEFAULT_MAX_N_SEQUENCES),
+           "the most completions one request may ask for (n), as vLLM's VLLM_MAX_N_SEQUENCES: each is a "
+           "sequence the engine builds up front (lower it on a slow CPU server, or a fuzzer's)"),
+    Switch("HYSERVE_RESPONSES_STORE_SIZE", str(DEFAULT_RESPONSES_STORE_SIZE),
+           "the default of --responses-store-size (responses kept for previous_response_id)"),
+    Switch("HYSERVE_RESPONSES_STORE_MIB", str(DEFAULT_RESPONSES_STORE_MIB),
+           "the default of --responses-store-mib (MiB of JSON those responses may take)"),
+    Switch("HYSERVE_CACHE_ROOT", "",
+           "where compiled kernels and autotuning results are kept between starts (default: "
+           "$XDG_CACHE_HOME/hyserve, else ~/.cache/hyserve); see hyserve/compile_cache.py"),
 )
 _NAMES = {s.name for s in SWITCHES}
 
@@ -46,6 +63,9 @@ class Envs:
     cuda_graphs: bool = True
     prefix_cache_retention_interval: int | None = None  # None: not set
     dist_timeout_s: float = 600.0  # NCCL's own default too
+    max_n_sequences: int = DEFAULT_MAX_N_SEQUENCES
+    responses_store_size: int = DEFAULT_RESPONSES_STORE_SIZE
+    responses_store_mib: float = DEFAULT_RESPONSES_STORE_MIB
     set_switches: tuple[tuple[str, str], ...] = ()  # (name, value) of every HYSERVE_* variable set
 
     def describe(self) -> str:
@@ -71,17 +91,36 @@ def _count(environ: Mapping[str, str], name: str) -> int | None:
     return int(value)
 
 
-def _seconds(environ: Mapping[str, str], name: str, default: float) -> float:
+def _at_least_one(environ: Mapping[str, str], name: str, default: int) -> int:
+    value = _count(environ, name)
+    if value is None:
+        return default
+    if value < 1:
+        raise ValueError(f"{name} must be a whole number >= 1, got {environ[name]!r}")
+    return value
+
+
+def _size(environ: Mapping[str, str], name: str, default: float) -> float:
     value = environ.get(name, "").strip()
     if value == "":
         return default
     try:
-        seconds = float(value)
+        size = float(value)
     except ValueError:
-        seconds = float("nan")
-    if not 0 < seconds < float("inf"):
-        raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
-    return seconds
+        size = float("nan")
+    if not size > 0 or size == float("inf"):
+        raise ValueError(f"{name} must be a number > 0, got {value!r}")
+    return size
+
+
+def cache_root(environ: Mapping[str, str]) -> str:
+    """HYSERVE_CACHE_ROOT, else $XDG_CACHE_HOME/hyserve, else ~/.cache/hyserve. Any path will do, so this
+    cannot fail (it runs at `import hyserve`)."""
+    root = environ.get("HYSERVE_CACHE_ROOT", "").strip()
+    if root:
+        return os.path.expanduser(root)
+    base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "hyserve")
 
 
 def read(environ: Mapping[str, str]) -> Envs:
@@ -93,7 +132,10 @@ def read(environ: Mapping[str, str]) -> Envs:
         dsa_exact_scores=_flag(environ, "HYSERVE_DSA_EXACT_SCORES", False),
         cuda_graphs=_flag(environ, "HYSERVE_CUDA_GRAPHS", True),
         prefix_cache_retention_interval=_count(environ, "HYSERVE_PREFIX_CACHE_RETENTION_INTERVAL"),
-        dist_timeout_s=_seconds(environ, "HYSERVE_DIST_TIMEOUT_S", 600.0),
+        dist_timeout_s=_size(environ, "HYSERVE_DIST_TIMEOUT_S", 600.0),
+        max_n_sequences=_at_least_one(environ, "HYSERVE_MAX_N_SEQUENCES", DEFAULT_MAX_N_SEQUENCES),
+        responses_store_size=_at_least_one(environ, "HYSERVE_RESPONSES_STORE_SIZE", DEFAULT_RESPONSES_STORE_SIZE),
+        responses_store_mib=_size(environ, "HYSERVE_RESPONSES_STORE_MIB", DEFAULT_RESPONSES_STORE_MIB),
         set_switches=tuple(sorted((k, v if k in _NAMES else f"{v} (not read by hyserve)")
                                   for k, v in environ.items() if k.startswith("HYSERVE_"))),
     )
@@ -103,3 +145,10 @@ def read(environ: Mapping[str, str]) -> Envs:
 def get() -> Envs:
     """The process's switches, read from os.environ on the first call."""
     return read(os.environ)
+
+
+
+def child_environ(**overrides: str) -> dict[str, str]:
+    """The environment a child process started by hyserve (a benchmark's server) inherits: this process's,
+    switches included, with `overrides`."""
+    return {**os.environ, **overrides}

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import enum
 import math
-import os
 from dataclasses import dataclass
 from typing import Any
+
+from hyserve import envs
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -22,10 +23,15 @@ class RequestOutputKind(enum.IntEnum):
 SAMPLING_EPS = 1e-5
 # The OpenAI API caps top_logprobs at 20; a larger k would also make every step's top-k costly.
 MAX_LOGPROBS = 20
-# vLLM's VLLM_MAX_N_SEQUENCES (default 16384): every completion is a sequence the engine builds up front,
-# so an unbounded n (10**9) would exhaust the engine's memory instead of failing the one request.
-# HYSERVE_MAX_N_SEQUENCES lowers it (a slow CPU server, a fuzzer's server); /openapi.json shows it.
-MAX_N = int(os.environ.get("HYSERVE_MAX_N_SEQUENCES") or 16384)
+
+
+def max_n() -> int:
+    """The largest n (vLLM's VLLM_MAX_N_SEQUENCES, default 16384): every completion is a sequence the
+    engine builds up front, so an unbounded n (10**9) would exhaust the engine's memory instead of failing
+    the one request. HYSERVE_MAX_N_SEQUENCES (envs.py) lowers it; /openapi.json shows it."""
+    return envs.get().max_n_sequences
+
+
 # Seeds are int64, as in vLLM's API; the engine seeds completion i with seed + i.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 # OpenAI's documented logit_bias range (vLLM clamps to it too): a larger bias already forces or bans
@@ -104,8 +110,8 @@ class SamplingParams:
             self.logit_bias = {k: min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, v)) for k, v in self.logit_bias.items()}
 
     def _validate(self) -> None:
-        if not 1 <= self.n <= MAX_N:
-            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
+        if not 1 <= self.n <= max_n():
+            raise ValueError(f"n must be in [1, {max_n()}], got {self.n}")
         # NaN passes every comparison below and inf slips past the one-sided ones; either turns the
         # logits into NaN, and the request would silently return token 0 over and over.
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):

@@ -4,20 +4,19 @@ reading, and the tools the tests offer."""
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
+import pytest
 
-from tests.server_util import live_server
+from tests.server_util import live_server, metric, wait_idle
 
-# Servers of these tests reserve few checkpoint slots, so that what may stay pinned at idle (one tail page
-# per prefix-cache checkpoint) is small next to what a leaked request would hold.
+# Servers of these tests reserve few checkpoint slots: the prefix cache evicts its checkpoints (and the
+# tail pages they pin) early, so the tests also run with a cache under pressure.
 CHECKPOINT_SLOTS = 4
 
 
 def api_server(*flags: str, **kwargs):
-    """`live_server` with the checkpoint slots the pool check expects."""
+    """`live_server` with few checkpoint slots."""
     return live_server("--num-checkpoint-slots", str(CHECKPOINT_SLOTS), *flags, **kwargs)
 
 
@@ -28,23 +27,22 @@ JSON_DUMPS_DOC = ("json.dumps(obj, *, skipkeys=False, ensure_ascii=True, indent=
                   "Serialize ``obj`` to a JSON formatted ``str``.")
 
 
-def _samples(url: str) -> dict[str, tuple[float, dict]]:
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    return {s.name: (s.value, s.labels) for fam in text_string_to_metric_families(text) for s in fam.samples}
+# An answer that cannot end early (random weights might stop at once): a JSON string of 2000 characters.
+LONG_FORMAT = {"type": "json_schema", "schema": {"type": "string", "minLength": 2000}}
+
+
+def nested_schema(depth: int) -> dict:
+    """A JSON schema of `depth` nested objects (2 * depth JSON levels): past the edge's limit of 64."""
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
 
 
 def assert_pool_idle(url: str, timeout: float = 20.0) -> None:
-    """No request runs or waits, and no page is held but the checkpoints' tails (the pool is empty)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m = _samples(url)
-        running, waiting = m["vllm:num_requests_running"][0], m["vllm:num_requests_waiting"][0]
-        blocks = int(m["vllm:cache_config_info"][1]["num_blocks"])
-        used = round(m["vllm:kv_cache_usage_perc"][0] * blocks)
-        if running == 0 and waiting == 0 and used <= CHECKPOINT_SLOTS:
-            return
-        assert time.monotonic() < deadline, f"pool not idle: {running} running, {waiting} waiting, {used} pages held"
-        time.sleep(0.1)
+    """No request runs or waits, and every pool gauge (free KV blocks, running state slots, checkpoint
+    slots) is at its idle value: nothing is held but what the prefix cache retains (the pool is empty)."""
+    assert wait_idle(url, timeout) == []
 
 
 def sse_events(url: str, path: str, body: dict, headers: dict | None = None) -> list[tuple[str, dict]]:
@@ -68,11 +66,24 @@ def post(url: str, path: str, body: dict | bytes, headers: dict | None = None) -
 
 
 def stream_then_disconnect(url: str, path: str, body: dict, headers: dict | None = None, events: int = 4) -> None:
-    """Read a few events of a long stream, then go away."""
+    """Read a few events of a long stream, then go away: the engine aborts the request (one more abort
+    counted) and every pool gauge returns to idle."""
+    aborts = metric(url, "vllm:request_success_total", finished_reason="abort")
     with httpx.stream("POST", url + path, json=body, headers=headers or {}, timeout=60) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
         for _ in range(events):
             next(lines)
-        running = _samples(url)["vllm:num_requests_running"][0]
-        assert running == 1, "the request was not running while it streamed"
+        assert metric(url, "vllm:num_requests_running") == 1, "the request was not running while it streamed"
+    assert wait_idle(url) == []
+    assert metric(url, "vllm:request_success_total", finished_reason="abort") == aborts + 1
+
+
+def abandon_while_it_runs(url: str, path: str, body: dict, headers: dict | None = None) -> None:
+    """POST a long non-streaming request and hang up while it runs: the engine aborts it (one more abort
+    counted) and every pool gauge (free KV blocks, running state slots, checkpoint slots) returns to idle."""
+    aborts = metric(url, "vllm:request_success_total", finished_reason="abort")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + path, json=body, headers=headers or {}, timeout=httpx.Timeout(60, read=1.5))
+    assert wait_idle(url) == []
+    assert metric(url, "vllm:request_success_total", finished_reason="abort") == aborts + 1

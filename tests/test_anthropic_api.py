@@ -181,8 +181,14 @@ def test_count_tokens_counts_system_tools_and_messages(client):
 
 
 def test_disconnect_mid_stream_aborts_the_request(server):
-    body = {"model": MODEL, "max_tokens": 3000, "messages": [{"role": "user", "content": "x" * 500}], "stream": True}
+    body = {"model": MODEL, "max_tokens": 3000, "messages": [{"role": "user", "content": "x" * 500}], "stream": True,
+            "output_config": {"format": api.LONG_FORMAT}}
     api.stream_then_disconnect(server, "/v1/messages", body, AUTH)
+
+
+def test_disconnect_while_waiting_for_a_non_streaming_message_aborts_it_and_frees_its_cache(server):
+    body = {"model": MODEL, "max_tokens": 3000, "messages": TEXT, "output_config": {"format": api.LONG_FORMAT}}
+    api.abandon_while_it_runs(server, "/v1/messages", body, AUTH)
 
 
 TEXT = [{"role": "user", "content": "hi"}]
@@ -226,6 +232,21 @@ BAD_REQUESTS = [
      400, "invalid_request_error", "temperature"),
     (b'{"model": "k3-tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "\\ud800"}]}', 400,
      "invalid_request_error", "surrogates not allowed"),
+    # the API edge's limits (hyserve/entrypoints/openai/limits.py), as on the chat path
+    (b'{"model": "k3-tiny", "max_tokens": 4, "system": "\\udfff", "messages": [{"role": "user", "content": "hi"}]}',
+     400, "invalid_request_error", "system is not valid Unicode"),
+    (b'{"model": "k3-tiny", "max_tokens": 4, "stop_sequences": ["\\ud800x"], "messages": [{"role": "user", '
+     b'"content": "hi"}]}', 400, "invalid_request_error", "stop_sequences[0] is not valid Unicode"),
+    ({**OK, "tools": [{**WEATHER, "input_schema": api.nested_schema(150)}]}, 400, "invalid_request_error",
+     "tools nests deeper than 64 levels"),
+    ({**OK, "output_config": {"format": {"type": "json_schema", "schema": api.nested_schema(150)}}}, 400,
+     "invalid_request_error", "output_config nests deeper than 64"),
+    ({**OK, "messages": [*TEXT, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "get_weather", "input": api.nested_schema(150)}]}]}, 400,
+     "invalid_request_error", "messages nests deeper than 64"),
+    (b'{"model": "k3-tiny", "max_tokens": 4, "messages": ' + b'[' * 100_000 + b']' * 100_000 + b'}', 400,
+     "invalid_request_error", "parsing the body"),
+    ({**OK, "container": "c"}, 400, "invalid_request_error", "container"),
 ]
 
 
@@ -240,9 +261,17 @@ def test_bad_requests_answer_in_anthropic_shape_and_the_server_keeps_serving(ser
     assert client.messages.create(model=MODEL, max_tokens=1, messages=TEXT).stop_reason
 
 
-def test_count_tokens_refuses_bad_input_in_anthropic_shape(server):
-    r = api.post(server, "/v1/messages/count_tokens", {"model": MODEL, "messages": "hi"}, AUTH)
-    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+@pytest.mark.parametrize(("body", "needle"), [
+    ({"model": MODEL, "messages": "hi"}, "messages"),
+    (b'{"model": "k3-tiny", "system": "\\udfff", "messages": [{"role": "user", "content": "hi"}]}',
+     "system is not valid Unicode"),
+    ({"model": MODEL, "messages": TEXT, "tools": [{**WEATHER, "input_schema": api.nested_schema(150)}]},
+     "tools nests deeper than 64 levels"),
+])
+def test_count_tokens_refuses_bad_input_in_anthropic_shape(server, body, needle):
+    r = api.post(server, "/v1/messages/count_tokens", body, AUTH)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    assert needle in r.json()["error"]["message"]
 
 
 def test_unknown_paths_and_methods_under_v1_messages_answer_in_anthropic_shape(server):

@@ -12,14 +12,19 @@ from hyserve import envs
 from hyserve.config import EngineConfig, resolve_config
 from hyserve.entrypoints.engine_args import engine_fields
 from hyserve.entrypoints.generate import add_generate_parser, engine_kwargs
+from hyserve.entrypoints.openai.responses_store import ResponseStore
 from hyserve.entrypoints.openai.server import engine_config_from_args
 from hyserve.entrypoints.serve import _add_arguments
 
 
-def serve_config(*argv: str):
+def serve_args(*argv: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     _add_arguments(p)
-    return engine_config_from_args(p.parse_args(["k3-tiny", *argv]))
+    return p.parse_args(["k3-tiny", *argv])
+
+
+def serve_config(*argv: str):
+    return engine_config_from_args(serve_args(*argv))
 
 
 def generate_kwargs(*argv: str) -> dict:
@@ -141,6 +146,37 @@ def test_a_bad_env_switch_value_is_an_error_naming_the_switch():
         envs.read({"HYSERVE_CUDA_GRAPHS": "off"})
     with pytest.raises(ValueError, match="HYSERVE_PREFIX_CACHE_RETENTION_INTERVAL"):
         envs.read({"HYSERVE_PREFIX_CACHE_RETENTION_INTERVAL": "-3"})
+
+
+@pytest.mark.parametrize(("name", "bad"), [
+    ("HYSERVE_MAX_N_SEQUENCES", "0"), ("HYSERVE_MAX_N_SEQUENCES", "many"), ("HYSERVE_RESPONSES_STORE_SIZE", "-1"),
+    ("HYSERVE_RESPONSES_STORE_MIB", "0"), ("HYSERVE_RESPONSES_STORE_MIB", "nan"),
+])
+def test_the_server_side_switches_are_validated_too(name, bad):
+    with pytest.raises(ValueError, match=name):
+        envs.read({name: bad})
+
+
+def test_the_server_side_switches_have_defaults_and_take_values():
+    assert (envs.read({}).max_n_sequences, envs.read({}).responses_store_size) == (16384, 4096)
+    env = envs.read({"HYSERVE_MAX_N_SEQUENCES": "4", "HYSERVE_RESPONSES_STORE_MIB": "0.5"})
+    assert env.max_n_sequences == 4 and env.responses_store_mib == 0.5
+    assert env.describe() == "HYSERVE_MAX_N_SEQUENCES=4 HYSERVE_RESPONSES_STORE_MIB=0.5"
+
+
+def test_the_cache_root_is_hyserve_cache_root_else_under_xdg_cache_home():
+    assert envs.cache_root({"HYSERVE_CACHE_ROOT": "/r", "XDG_CACHE_HOME": "/x"}) == "/r"
+    assert envs.cache_root({"XDG_CACHE_HOME": "/x"}) == "/x/hyserve"
+    assert envs.read({"HYSERVE_CACHE_ROOT": "/r"}).describe() == "HYSERVE_CACHE_ROOT=/r"
+
+
+def test_the_responses_store_flags_default_to_their_switches_and_refuse_nonsense():
+    args = serve_args("--responses-store-size", "3")
+    store = ResponseStore.for_server(args.responses_store_size, args.responses_store_mib)
+    assert store.max_entries == 3 and store.max_bytes == envs.DEFAULT_RESPONSES_STORE_MIB << 20
+    for bad in (("--responses-store-size", "0"), ("--responses-store-mib", "-2"), ("--responses-store-mib", "inf")):
+        with pytest.raises(SystemExit):
+            serve_args(*bad)
 
 
 def test_the_set_switches_are_described_for_the_startup_log():

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import httpx
 
+from hyserve import envs
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -38,7 +40,7 @@ def serve_subprocess(*flags: str, model: str = "k3-tiny", timeout: float = 180.0
     `env`: extra environment variables for the server (which runs this checkout's code, on the CPU)."""
     port = free_port()
     # tiny matmuls: threads only cost
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **(env or {}))
+    env = envs.child_environ(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **(env or {}))
     cmd = [sys.executable, "-m", "hyserve.entrypoints.serve", model, "--host", "127.0.0.1",
            "--port", str(port), "--device", "cpu", *flags]
     log = tempfile.NamedTemporaryFile("w", prefix="hyserve_server_", suffix=".log", delete=False)

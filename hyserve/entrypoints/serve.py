@@ -5,7 +5,9 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
+from hyserve import envs
 from hyserve.config import DEFAULT_MODEL
 from hyserve.entrypoints.engine_args import add_engine_arguments
 
@@ -27,7 +29,26 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also emit the deprecated `reasoning_content` next to `reasoning`")
     p.add_argument("--max-waiting-requests", type=int, default=None,
                    help="answer 503 + Retry-After while this many requests wait (default: no cap)")
+    p.add_argument("--responses-store-size", type=_positive(int), default=None, metavar="N",
+                   help="Responses API: keep the N most recently used responses for previous_response_id "
+                        f"(default: env HYSERVE_RESPONSES_STORE_SIZE, else {envs.DEFAULT_RESPONSES_STORE_SIZE})")
+    p.add_argument("--responses-store-mib", type=_positive(float), default=None, metavar="MIB",
+                   help="Responses API: and at most MIB MiB of them, as JSON (default: env "
+                        f"HYSERVE_RESPONSES_STORE_MIB, else {envs.DEFAULT_RESPONSES_STORE_MIB})")
     add_engine_arguments(p.add_argument_group("engine"), exclude=SERVE_EXCLUDED)
+
+
+def _positive(kind: type) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = 0
+        if not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"must be a {'whole ' if kind is int else ''}number > 0, got {text!r}")
+        return value
+
+    return parse
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:

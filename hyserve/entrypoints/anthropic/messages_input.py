@@ -28,6 +28,7 @@ from hyserve.entrypoints.anthropic.protocol import (
     ToolResultBlock,
     ToolUseBlock,
 )
+from hyserve.entrypoints.openai.errors import validation_message
 from hyserve.entrypoints.openai.protocol import APIError, ChatCompletionRequest
 
 # Chat's field names in errors, said in this API's words.
@@ -109,8 +110,6 @@ def _tools(req: CountTokensRequest) -> list[dict] | None:
         if not isinstance(tool, Tool):
             raise APIError(400, f"tools.{i}: tools of type {tool.type!r} are not supported; this server runs "
                            "custom (client) tools only")
-        if tool.input_schema.get("type") != "object":
-            raise APIError(400, f"tools.{i}.input_schema: the schema's type must be 'object'")
         function: dict[str, Any] = {"name": tool.name}
         if tool.description is not None:
             function["description"] = tool.description
@@ -149,16 +148,8 @@ def _thinking(req: CountTokensRequest) -> bool:
     raise APIError(400, f"thinking of type {thinking.type!r} is not supported; use enabled, adaptive or disabled")
 
 
-def _check_supported(req: CountTokensRequest) -> None:
-    if isinstance(req, MessagesRequest):
-        for name in ("container", "mcp_servers"):
-            if getattr(req, name) is not None:
-                raise APIError(400, f"{name}: not supported by this server")
-
-
 def chat_request(req: CountTokensRequest, stream: bool = False) -> ChatCompletionRequest:
     """The chat request that runs a Messages (or count_tokens) request."""
-    _check_supported(req)
     messages = chat_messages(req)
     choice, parallel = _tool_choice(req)
     prefill = req.messages[-1].role == "assistant"
@@ -182,5 +173,5 @@ def chat_request(req: CountTokensRequest, stream: bool = False) -> ChatCompletio
                     stop=req.stop_sequences, user=req.metadata.user_id if req.metadata else None)
     try:
         return ChatCompletionRequest(**body)
-    except ValidationError as e:
-        raise APIError(400, f"invalid request: {e.errors()[0]['msg']}") from e
+    except ValidationError as e:  # what the chat path refuses, named in this API's words
+        raise APIError(400, *validation_message(e, rename=CHAT_PARAMS)) from e

@@ -1,20 +1,30 @@
 """Request models and errors of the Anthropic Messages API, after the official `anthropic` package's
 `anthropic.types` (MessageCreateParams, the content block params, the error objects).
 
-Strict as the vendor's API is: no string is coerced to a number or a bool. Unknown fields are ignored;
-blocks, tools and options of a kind this server does not serve validate as `Unsupported` so that the
-handler can refuse them by name. Errors have Anthropic's shape, type names and status codes:
+Strict as the vendor's API is, and held to the same edge limits as every request body (`strict_models`):
+no string is coerced to a number or a bool. Unknown fields are ignored; blocks, tools and options of a kind
+this server does not serve validate as `Unsupported` so that the handler can refuse them by name, and
+fields it cannot honour are refused when given (`refused`). Errors have Anthropic's shape, type names and status codes:
 `{"type": "error", "error": {"type": "invalid_request_error", "message": "..."}}`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import AfterValidator, BaseModel, Field, WithJsonSchema
 
 from hyserve.entrypoints.openai.protocol import APIError
-from hyserve.entrypoints.strict_models import Strict, tagged_union
+from hyserve.entrypoints.strict_models import (
+    MaxTokens,
+    ModelName,
+    NonEmptyStr,
+    RequestBody,
+    StrictModel,
+    integer,
+    refused,
+    tagged_union,
+)
 
 TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,128}$"
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 402: "billing_error",
@@ -26,14 +36,14 @@ OVERLOADED = 529
 # ---- content blocks ---------------------------------------------------------------------------------
 
 
-class TextBlock(Strict):
+class TextBlock(StrictModel):
     type: Literal["text"]
     text: str
     cache_control: dict[str, Any] | None = None  # accepted: the prefix cache is automatic
     citations: list[dict[str, Any]] | None = None
 
 
-class ToolUseBlock(Strict):
+class ToolUseBlock(StrictModel):
     type: Literal["tool_use"]
     id: str = Field(min_length=1)
     name: str = Field(min_length=1)
@@ -44,7 +54,7 @@ class ToolUseBlock(Strict):
 ResultPart = tagged_union((TextBlock, "text"))
 
 
-class ToolResultBlock(Strict):
+class ToolResultBlock(StrictModel):
     type: Literal["tool_result"]
     tool_use_id: str = Field(min_length=1)
     content: str | list[ResultPart] | None = None
@@ -52,7 +62,7 @@ class ToolResultBlock(Strict):
     cache_control: dict[str, Any] | None = None
 
 
-class ThinkingBlock(Strict):
+class ThinkingBlock(StrictModel):
     type: Literal["thinking"]
     thinking: str
     signature: str
@@ -62,7 +72,7 @@ ContentBlock = tagged_union((TextBlock, "text"), (ToolUseBlock, "tool_use"), (To
                       (ThinkingBlock, "thinking"))
 
 
-class Message(Strict):
+class Message(StrictModel):
     role: Literal["user", "assistant", "system"]
     content: str | list[ContentBlock]
 
@@ -70,11 +80,23 @@ class Message(Strict):
 # ---- tools and options ------------------------------------------------------------------------------
 
 
-class Tool(Strict):
+def _object_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    if schema.get("type") != "object":
+        raise ValueError("the schema's type must be 'object'")
+    return schema
+
+
+# Kept as the client's dict (its key order is what the chat encoders render), checked for type "object".
+InputSchema = Annotated[dict[str, Any], AfterValidator(_object_schema), WithJsonSchema(
+    {"type": "object", "required": ["type"], "properties": {"type": {"const": "object"}},
+     "description": "A JSON schema of the tool's input object"})]
+
+
+class Tool(StrictModel):
     type: Literal["custom"] | None = None
     name: str = Field(pattern=TOOL_NAME_PATTERN)
     description: str | None = None
-    input_schema: dict[str, Any]
+    input_schema: InputSchema
     cache_control: dict[str, Any] | None = None
     strict: bool | None = None
 
@@ -82,23 +104,23 @@ class Tool(Strict):
 AnyTool = tagged_union((Tool, "custom"), default="custom")
 
 
-class ToolChoiceAuto(Strict):
+class ToolChoiceAuto(StrictModel):
     type: Literal["auto"]
     disable_parallel_tool_use: bool | None = None
 
 
-class ToolChoiceAny(Strict):
+class ToolChoiceAny(StrictModel):
     type: Literal["any"]
     disable_parallel_tool_use: bool | None = None
 
 
-class ToolChoiceTool(Strict):
+class ToolChoiceTool(StrictModel):
     type: Literal["tool"]
     name: str = Field(min_length=1)
     disable_parallel_tool_use: bool | None = None
 
 
-class ToolChoiceNone(Strict):
+class ToolChoiceNone(StrictModel):
     type: Literal["none"]
 
 
@@ -106,17 +128,17 @@ ToolChoice = tagged_union((ToolChoiceAuto, "auto"), (ToolChoiceAny, "any"), (Too
                     (ToolChoiceNone, "none"))
 
 
-class ThinkingEnabled(Strict):
+class ThinkingEnabled(StrictModel):
     type: Literal["enabled"]
-    budget_tokens: int = Field(ge=1024)
+    budget_tokens: integer(ge=1024)
     display: Literal["summarized", "omitted"] | None = None
 
 
-class ThinkingDisabled(Strict):
+class ThinkingDisabled(StrictModel):
     type: Literal["disabled"]
 
 
-class ThinkingAdaptive(Strict):
+class ThinkingAdaptive(StrictModel):
     type: Literal["adaptive"]
     display: Literal["summarized", "omitted"] | None = None
 
@@ -124,22 +146,24 @@ class ThinkingAdaptive(Strict):
 Thinking = tagged_union((ThinkingEnabled, "enabled"), (ThinkingDisabled, "disabled"), (ThinkingAdaptive, "adaptive"))
 
 
-class JSONOutputFormat(Strict):
+class JSONOutputFormat(StrictModel):
     type: Literal["json_schema"]
     schema_: dict[str, Any] = Field(alias="schema")
 
 
-class OutputConfig(Strict):
+class OutputConfig(StrictModel):
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
     format: JSONOutputFormat | None = None
 
 
-class Metadata(Strict):
+class Metadata(StrictModel):
     user_id: str | None = Field(default=None, max_length=256)
 
 
-class CountTokensRequest(Strict):
-    model: str
+class CountTokensRequest(RequestBody):
+    schema_fields = frozenset({"tools", "tool_choice", "output_config"})
+
+    model: ModelName
     messages: list[Message] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
     tools: list[AnyTool] | None = None
@@ -149,34 +173,34 @@ class CountTokensRequest(Strict):
 
 
 class MessagesRequest(CountTokensRequest):
-    max_tokens: int = Field(ge=1)
-    stop_sequences: list[str] | None = None
+    max_tokens: MaxTokens
+    stop_sequences: list[NonEmptyStr] | None = None
     stream: bool = False
     temperature: float | None = Field(default=None, ge=0, le=1)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=0)
+    top_k: integer(ge=0) | None = None
     metadata: Metadata | None = None
     service_tier: Literal["auto", "standard_only"] | None = None
-    container: Any = None  # refused when given: no code-execution containers here
-    mcp_servers: Any = None  # refused when given: no server-side MCP connector here
+    container: refused("not supported by this server (no code-execution containers)") = None
+    mcp_servers: refused("not supported by this server (no MCP connector)") = None
 
 
 # ---- errors -----------------------------------------------------------------------------------------
 
 
-class ErrorObject(BaseModel):
+class AnthropicErrorObject(BaseModel):
     type: str
     message: str
 
 
-class ErrorResponse(BaseModel):
+class AnthropicErrorResponse(BaseModel):
     type: Literal["error"] = "error"
-    error: ErrorObject
+    error: AnthropicErrorObject
 
 
 def error_body(status: int, message: str) -> dict[str, Any]:
     kind = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-    return ErrorResponse(error=ErrorObject(type=kind, message=message)).model_dump()
+    return AnthropicErrorResponse(error=AnthropicErrorObject(type=kind, message=message)).model_dump()
 
 
 def from_api_error(e: APIError) -> tuple[int, dict[str, Any], dict[str, str] | None]:

@@ -5,7 +5,7 @@ Streaming sends Anthropic's event sequence (what `anthropic`'s `messages.stream`
 `message_start`, `ping`, then per block `content_block_start`, `content_block_delta` (thinking_delta and a
 signature_delta, text_delta, or one input_json_delta with the call's whole input) and
 `content_block_stop`, then `message_delta` (stop_reason, usage) and `message_stop`. Every error, raised
-anywhere in these routes, has Anthropic's shape (`AnthropicRoute`).
+anywhere in these routes, has Anthropic's shape (`openai.errors.error_response`).
 """
 
 from __future__ import annotations
@@ -13,20 +13,16 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from fastapi.routing import APIRoute
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from hyserve.entrypoints.anthropic import messages_docs as docs
 from hyserve.entrypoints.anthropic.messages_input import CHAT_PARAMS, chat_request
 from hyserve.entrypoints.anthropic.protocol import (
     CountTokensRequest,
-    ErrorResponse,
     MessagesRequest,
     error_body,
     from_api_error,
@@ -43,53 +39,6 @@ from hyserve.entrypoints.openai.turn_blocks import (
     streamed_deltas,
     turn_events,
 )
-
-log = logging.getLogger("hyserve.anthropic")
-
-_DESCRIPTIONS = {400: "Invalid request", 401: "Invalid or missing API key", 404: "No such model",
-                 500: "Internal error", 503: "The engine is not running", 529: "The server is overloaded"}
-ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    **{code: {"model": ErrorResponse, "description": text} for code, text in _DESCRIPTIONS.items()},
-    "4XX": {"model": ErrorResponse, "description": "Any other client error, in the same shape"},
-}
-_CREATED = {200: {"description": "A Message; with `stream: true`, an SSE stream of message events",
-                  "content": {"application/json": {"schema": {"type": "object"}},
-                              "text/event-stream": {"schema": {"type": "string"}}}}}
-
-
-def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message), status_code=status, headers=headers)
-
-
-class AnthropicRoute(APIRoute):
-    """A route whose every error, validation included, answers in Anthropic's error shape."""
-
-    def get_route_handler(self) -> Callable:
-        handler = super().get_route_handler()
-
-        async def handle(request: Request):
-            try:
-                return await handler(request)
-            except RequestValidationError as e:
-                from hyserve.entrypoints.openai.errors import validation_message  # the chat path's wording
-
-                return error_response(400, validation_message(e)[0])
-            except APIError as e:
-                status, body, headers = from_api_error(_in_messages_words(e))
-                return JSONResponse(body, status_code=status, headers=headers)
-            except StarletteHTTPException as e:
-                return error_response(e.status_code, str(e.detail), e.headers)
-            except UnicodeEncodeError as e:
-                return error_response(400, f"the request holds text that is not valid Unicode: {e.reason}")
-            except Exception as e:
-                log.exception("unhandled error")
-                return error_response(500, f"{type(e).__name__}: {e}")
-
-        return handle
-
-
-def _in_messages_words(e: APIError) -> APIError:
-    return APIError(e.status, e.message, CHAT_PARAMS.get(e.param, e.param), e.headers)
 
 
 def signature(thinking: str) -> str:
@@ -184,7 +133,10 @@ async def _stream(state: ServerState, run: ChatRun, max_calls: int | None) -> As
 
 
 async def create_message(state: ServerState, req: MessagesRequest, request: Request):
-    run = await start_chat_completion(state, chat_request(req, req.stream), id_prefix="msg")
+    try:
+        run = await start_chat_completion(state, chat_request(req, req.stream), id_prefix="msg")
+    except APIError as e:
+        raise e.renamed(CHAT_PARAMS) from e
     choice = req.tool_choice
     max_calls = 1 if getattr(choice, "disable_parallel_tool_use", None) else None
     if req.stream:
@@ -199,14 +151,17 @@ async def create_message(state: ServerState, req: MessagesRequest, request: Requ
 
 
 def messages_router(state: Callable[[], ServerState]) -> APIRouter:
-    router = APIRouter(route_class=AnthropicRoute, tags=["anthropic"])
+    router = APIRouter(tags=["anthropic"])
 
-    @router.post("/v1/messages", responses={**_CREATED, **ERROR_RESPONSES})
+    @router.post("/v1/messages", responses=docs.CREATE)
     async def messages_create(req: MessagesRequest, request: Request):
         return await create_message(state(), req, request)
 
-    @router.post("/v1/messages/count_tokens", responses=ERROR_RESPONSES)
+    @router.post("/v1/messages/count_tokens", responses=docs.COUNT_TOKENS)
     async def messages_count_tokens(req: CountTokensRequest) -> dict:
-        return {"input_tokens": len(render_chat_prompt(state(), chat_request(req)).ids)}
+        try:
+            return {"input_tokens": len(render_chat_prompt(state(), chat_request(req)).ids)}
+        except APIError as e:
+            raise e.renamed(CHAT_PARAMS) from e
 
     return router

@@ -2,7 +2,7 @@
 server can answer, all errors in the OpenAI error shape (`ErrorResponse`). FastAPI's default 422
 validation body is never sent (validation errors are 400s), so it is taken out of the document. Bounds
 that depend on the served model (token ids below the vocabulary size, max_tokens below the context
-length) are filled in once the engine runs.
+length, the names the model is served by) are filled in once the engine runs.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, Field
 
-from hyserve.entrypoints.openai.protocol import BOUND_KEY, ErrorResponse, UsageInfo
+from hyserve.entrypoints.openai.protocol import ErrorResponse, UsageInfo
+from hyserve.entrypoints.strict_models import BOUND_KEY
 
 # ---- response bodies (documentation only: handlers build dicts, which these describe) ----------------
 
@@ -93,23 +94,27 @@ _ERRORS = {
     500: "The engine failed on this request.",
     503: "The engine is not running (the server exits so that its supervisor restarts it), or the waiting "
          "queue is full (--max-waiting-requests, with Retry-After).",
+    529: "The waiting queue is full (--max-waiting-requests, with Retry-After): Anthropic's overloaded_error.",
 }
 # OpenAPI 3.1 reads an event stream's `schema` as the schema of one event.
 _SSE = {"text/event-stream": {"schema": {
     "type": "object", "required": ["data"],
     "properties": {"data": {"type": "string", "contentMediaType": "application/json",
-                            "description": "one chunk of the answer, an error object ({\"error\": ...}), or the "
-                                           "final `[DONE]`"},
-                   "event": {"type": "string"}},
+                            "description": "one chunk or event of the answer (JSON), an error object, or (chat "
+                                           "and completions) the final `[DONE]`"},
+                   "event": {"type": "string", "description": "the event's type (Responses and Messages APIs)"}},
 }}}
 
 
-def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
-    return {c: {"model": ErrorResponse, "description": _ERRORS[c]} for c in codes}
+def errors(*codes: int, model: type[BaseModel] = ErrorResponse,
+           notes: dict[int, str] | None = None) -> dict[int | str, dict[str, Any]]:
+    """The error answers `codes`, each with a body of `model` (another API's error shape) and `notes`
+    saying what a code means on this route where the general description does not."""
+    return {c: {"model": model, "description": (notes or {}).get(c) or _ERRORS[c]} for c in codes}
 
 
-def json_ok(model: type[BaseModel], *, stream: bool = False) -> dict[int | str, dict[str, Any]]:
-    ok: dict[str, Any] = {"model": model, "description": "Success" + (" (text/event-stream when `stream`)" if stream else "")}
+def json_ok(model: type[BaseModel], *, stream: bool = False, what: str = "Success") -> dict[int | str, dict[str, Any]]:
+    ok: dict[str, Any] = {"model": model, "description": what + (" (text/event-stream when `stream`)" if stream else "")}
     if stream:
         ok["content"] = dict(_SSE)
     return {200: ok}
@@ -121,20 +126,22 @@ HEALTH = {200: {"description": "The engine is running (empty body).", "content":
 METRICS = {200: {"description": "Prometheus text format.", "content": {"text/plain": {"schema": {"type": "string"}}}}}
 
 
-def _fill_bounds(node: Any, bounds: dict[str, int]) -> None:
-    """Give every schema marked with BOUND_KEY its `maximum` (exclusive of the bound: ids < vocab_size)."""
+def _fill_bounds(node: Any, bounds: dict[str, Any]) -> None:
+    """Give every schema marked with BOUND_KEY its bound: a `maximum`, or the `enum` of the names a model
+    is served by."""
     stack = [node]
     while stack:
         n = stack.pop()
         if isinstance(n, dict):
             if n.get(BOUND_KEY) in bounds:
-                n["maximum"] = bounds[n.pop(BOUND_KEY)] - 1
+                bound = bounds[n.pop(BOUND_KEY)]
+                n.update({"enum": bound} if isinstance(bound, list) else {"maximum": bound})
             stack.extend(n.values())
         elif isinstance(n, list):
             stack.extend(n)
 
 
-def install_openapi(app: FastAPI, bounds: Callable[[], dict[str, int] | None]) -> None:
+def install_openapi(app: FastAPI, bounds: Callable[[], dict[str, Any] | None]) -> None:
     """Generate the document once the engine runs (`bounds()` not None), without FastAPI's 422s."""
 
     def openapi() -> dict[str, Any]:

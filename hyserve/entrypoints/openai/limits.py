@@ -21,7 +21,8 @@ from pydantic_core import PydanticCustomError
 MAX_JSON_DEPTH = 64
 # Values in one schema-like field; OpenAI allows 5000 object properties in a structured-output schema.
 MAX_JSON_NODES = 100_000
-# Fields whose values are JSON schemas or other free-form documents that code walks recursively.
+# Fields whose values are JSON schemas or other free-form documents that code walks recursively (chat's
+# and completions'; each API's request models name theirs, `strict_models.RequestBody.schema_fields`).
 SCHEMA_FIELDS = frozenset({"tools", "tool_choice", "response_format", "structured_outputs", "chat_template_kwargs"})
 # Whole request bodies (a 413 beyond it): a prompt of a million tokens as ids is about 8 MB of JSON.
 MAX_BODY_BYTES = 64 << 20
@@ -53,8 +54,9 @@ def _check_text(text: str, parts: list[Any], field: str) -> None:
                       f"({text[e.start:e.end]!r} at position {e.start})", field) from None
 
 
-def check_field(field: str, value: Any) -> None:
-    """Raise a PydanticCustomError naming the limit when `value` (the request's `field`) breaks one."""
+def check_field(field: str, value: Any, schema_fields: frozenset[str] = SCHEMA_FIELDS) -> None:
+    """Raise a PydanticCustomError naming the limit when `value` (the request's `field`) breaks one; the
+    size limit applies to `schema_fields` only."""
     nodes = 0
     stack: list[tuple[Any, list[Any], int]] = [(value, [field], 0)]
     while stack:
@@ -68,7 +70,7 @@ def check_field(field: str, value: Any) -> None:
             raise _refuse("json_too_deep", f"{field} nests deeper than {MAX_JSON_DEPTH} levels at {_path(parts)} "
                           f"(the limit is {MAX_JSON_DEPTH} nested objects or arrays per field)", field)
         nodes += len(node)
-        if field in SCHEMA_FIELDS and nodes > MAX_JSON_NODES:
+        if field in schema_fields and nodes > MAX_JSON_NODES:
             raise _refuse("json_too_large", f"{field} holds more than {MAX_JSON_NODES} JSON values "
                           f"(the limit is {MAX_JSON_NODES})", field)
         if isinstance(node, list) and set(map(type, node)) <= _SCALARS:
@@ -82,11 +84,11 @@ def check_field(field: str, value: Any) -> None:
                 stack.append((v, parts + [k], depth + 1))
 
 
-def check_body(data: Any) -> Any:
+def check_body(data: Any, schema_fields: frozenset[str] = SCHEMA_FIELDS) -> Any:
     """A model `before` validator: every top-level field of a request body within the limits."""
     if isinstance(data, dict):
         for field, value in data.items():
             if isinstance(field, str):
                 _check_text(field, [field], field)
-            check_field(str(field), value)
+            check_field(str(field), value, schema_fields)
     return data

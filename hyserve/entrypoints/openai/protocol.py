@@ -1,9 +1,9 @@
 """Request and response models of the OpenAI-compatible API (docs/ARCHITECTURE.md §8.3).
 
 Unknown request fields are ignored (clients send options meant for other servers). Known fields are
-strictly typed, as in OpenAI's API: `"stream": "yes"`, `"max_tokens": "8"` or `"n": true` are refused,
-not coerced. The value ranges the server enforces are part of the schema (and so of /openapi.json), and
-`limits.check_body` bounds nesting, size and text validity first. Every failure is an HTTP 400; every
+strictly typed, as in OpenAI's API (`strict_models`): `"stream": "yes"`, `"max_tokens": "8"` or `"n": true`
+are refused, not coerced. The value ranges the server enforces are part of the schema (and so of
+/openapi.json), and `limits.check_body` bounds nesting, size and text validity first. Every failure is an HTTP 400; every
 known field takes effect or is rejected with a 400 naming it, except `user`, which is informational only
 (as in OpenAI's API).
 """
@@ -11,47 +11,37 @@ known field takes effect or is rejected with a 400 naming it, except `user`, whi
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic_core import PydanticKnownError
 
-from hyserve.entrypoints.openai.limits import check_body
-from hyserve.sampling_params import MAX_LOGPROBS, MAX_N, SEED_MAX, SEED_MIN
+from hyserve.entrypoints.strict_models import (
+    BOUND_KEY,
+    MaxTokens,
+    ModelName,
+    NonEmptyStr,
+    RequestBody,
+    StrictModel,
+    TokenId,
+    integer,
+)
+from hyserve.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, max_n
 
-
-class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
-
-
-class RequestBody(OpenAIModel):
-    """A whole request body: checked against `limits` before its fields are validated."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _within_limits(cls, data: Any) -> Any:
-        return check_body(data)
-
-
-def _integral(value: Any) -> Any:
-    """JSON Schema counts 8.0 as an integer, so the server does too; strings and booleans stay refused."""
-    return int(value) if isinstance(value, float) and value.is_integer() else value
-
-
-def integer(**constraints: Any) -> Any:
-    """An int field type: strict (no strings, no booleans), but taking 8.0 for 8 as JSON Schema does.
-    The constraints go before the coercion, so they appear in the JSON schema as minimum/maximum."""
-    return Annotated[int, Field(**constraints), BeforeValidator(_integral)]
-
-
-# Upper bounds known only once the engine runs are filled into /openapi.json by `api_docs` (BOUND_KEY).
-BOUND_KEY = "x-hyserve-bound"
-NonEmptyStr = Annotated[str, Field(min_length=1)]
-TokenId = integer(ge=0, json_schema_extra={BOUND_KEY: "vocab_size"})
 Logprobs = integer(ge=0, le=MAX_LOGPROBS)
-MaxTokens = integer(ge=1, json_schema_extra={BOUND_KEY: "max_model_len"})
 
 
-class ChatMessageParam(OpenAIModel):
+def _at_most_max_n(n: int) -> int:
+    if n > max_n():  # read when a request comes, as HYSERVE_MAX_N_SEQUENCES is (hyserve/envs.py)
+        raise PydanticKnownError("less_than_equal", {"le": max_n()})
+    return n
+
+
+NumChoices = Annotated[integer(ge=1, json_schema_extra={BOUND_KEY: "n"}), AfterValidator(_at_most_max_n)]
+
+
+class ChatMessageParam(StrictModel):
     """One message of a conversation. Other fields (tool_calls, tool_call_id, name, reasoning, ...) pass
     through to the chat encoder, which checks the conversation as a whole."""
 
@@ -68,17 +58,17 @@ def _as_dicts(messages: list[ChatMessageParam]) -> list[dict[str, Any]]:
 Messages = Annotated[list[ChatMessageParam], Field(min_length=1), AfterValidator(_as_dicts)]
 
 
-class StreamOptions(OpenAIModel):
+class StreamOptions(StrictModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class ResponseFormat(OpenAIModel):
+class ResponseFormat(StrictModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: dict[str, Any] | None = None
 
 
-class StructuredOutputs(OpenAIModel):
+class StructuredOutputs(StrictModel):
     """vLLM's `structured_outputs` extra field: exactly one constraint."""
 
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")
@@ -90,8 +80,8 @@ class StructuredOutputs(OpenAIModel):
 class SamplingRequest(RequestBody):
     """Fields shared by completions and chat completions."""
 
-    model: str | None = None
-    n: integer(ge=1, le=MAX_N) = 1
+    model: ModelName | None = None
+    n: NumChoices = 1
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: integer(ge=-1, description="0 or -1: off") | None = None
@@ -147,14 +137,14 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class TokenizeCompletionRequest(RequestBody):
-    model: str | None = None
+    model: ModelName | None = None
     prompt: str
     add_special_tokens: bool = True
     return_token_strs: bool = False
 
 
 class TokenizeChatRequest(RequestBody):
-    model: str | None = None
+    model: ModelName | None = None
     messages: Messages
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
@@ -168,7 +158,7 @@ TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
 
 
 class DetokenizeRequest(RequestBody):
-    model: str | None = None
+    model: ModelName | None = None
     tokens: list[TokenId]
 
 
@@ -225,6 +215,11 @@ class APIError(Exception):
                  headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.headers = status, message, param, headers
+
+    def renamed(self, params: Mapping[str, str]) -> APIError:
+        """This error with its param in another API's words (a Responses or Messages request runs as a chat
+        request: chat's `max_tokens` is their `max_output_tokens`)."""
+        return APIError(self.status, self.message, params.get(self.param, self.param), self.headers)
 
     def body(self) -> dict[str, Any]:
         info = ErrorInfo(message=self.message, type=ERROR_TYPES.get(self.status, "APIError"),

@@ -1,18 +1,28 @@
 """Request models of the OpenAI Responses API (`POST /v1/responses`), after the official `openai`
 package's `openai.types.responses` (ResponseCreateParams and the input item params).
 
-Strict as the vendor's API is: a string is never coerced to a number or a bool. Unknown fields are
-ignored, as everywhere in this server. Items, content parts, tools and formats of a kind this server does
-not serve validate as `Unsupported` (see `strict_models`) and are refused by name with a 400.
+Strict as the vendor's API is, and held to the same edge limits as every request body (`strict_models`):
+a string is never coerced to a number or a bool. Unknown fields are ignored, as everywhere in this
+server. Items, content parts, tools and formats of a kind this server does not serve validate as
+`Unsupported` and are refused by name with a 400; so are the fields it cannot honour (`refused`).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import BeforeValidator, Field
+from pydantic_core import PydanticCustomError
 
-from hyserve.entrypoints.strict_models import Strict, tagged_union
+from hyserve.entrypoints.strict_models import (
+    MaxTokens,
+    ModelName,
+    RequestBody,
+    StrictModel,
+    integer,
+    refused,
+    tagged_union,
+)
 
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 Status = Literal["in_progress", "completed", "incomplete"]
@@ -20,25 +30,39 @@ Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 Includable = Literal[
     "file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
     "message.input_image.image_url", "computer_call_output.output.image_url", "code_interpreter_call.outputs",
-    "reasoning.encrypted_content", "message.output_text.logprobs",
+    "reasoning.encrypted_content",
 ]
+_NO_LOGPROBS = "message.output_text.logprobs"
+
+
+def _without_logprobs(value: Any) -> Any:
+    if isinstance(value, list) and _NO_LOGPROBS in value:
+        raise PydanticCustomError("unsupported", "{message}",
+                                  {"message": f"{_NO_LOGPROBS} is not supported (no logprobs on /v1/responses)"})
+    return value
+
+
+# The other kinds name outputs of built-in tools this server does not run: there is nothing to include.
+Include = Annotated[list[Includable], BeforeValidator(_without_logprobs)]
+NoConversations = refused("conversations are not supported; use previous_response_id")
+NoAutoTruncation = refused("truncation 'auto' is not supported; the input must fit", "disabled")
 
 
 # ---- content parts ----------------------------------------------------------------------------------
 
 
-class InputText(Strict):
+class InputText(StrictModel):
     type: Literal["input_text"]
     text: str
 
 
-class OutputText(Strict):
+class OutputText(StrictModel):
     type: Literal["output_text"]
     text: str
     annotations: list[dict[str, Any]] = []
 
 
-class Refusal(Strict):
+class Refusal(StrictModel):
     type: Literal["refusal"]
     refusal: str
 
@@ -49,7 +73,7 @@ ContentPart = tagged_union((InputText, "input_text"), (OutputText, "output_text"
 # ---- input items ------------------------------------------------------------------------------------
 
 
-class MessageItem(Strict):
+class MessageItem(StrictModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[ContentPart]
@@ -58,7 +82,7 @@ class MessageItem(Strict):
     phase: Literal["commentary", "final_answer"] | None = None
 
 
-class FunctionCallItem(Strict):
+class FunctionCallItem(StrictModel):
     type: Literal["function_call"]
     call_id: str = Field(min_length=1)
     name: str = Field(min_length=1)
@@ -67,7 +91,7 @@ class FunctionCallItem(Strict):
     status: Status | None = None
 
 
-class FunctionCallOutputItem(Strict):
+class FunctionCallOutputItem(StrictModel):
     type: Literal["function_call_output"]
     call_id: str | None = None
     name: str | None = None
@@ -76,17 +100,17 @@ class FunctionCallOutputItem(Strict):
     status: Status | None = None
 
 
-class SummaryText(Strict):
+class SummaryText(StrictModel):
     type: Literal["summary_text"]
     text: str
 
 
-class ReasoningText(Strict):
+class ReasoningText(StrictModel):
     type: Literal["reasoning_text"]
     text: str
 
 
-class ReasoningItem(Strict):
+class ReasoningItem(StrictModel):
     type: Literal["reasoning"]
     id: str | None = None
     summary: list[SummaryText] = []
@@ -103,7 +127,7 @@ InputItem = tagged_union((MessageItem, "message"), (FunctionCallItem, "function_
 # ---- tools, formats, options ------------------------------------------------------------------------
 
 
-class FunctionTool(Strict):
+class FunctionTool(StrictModel):
     type: Literal["function"]
     name: str = Field(pattern=NAME_PATTERN)
     description: str | None = None
@@ -114,7 +138,7 @@ class FunctionTool(Strict):
 Tool = tagged_union((FunctionTool, "function"))
 
 
-class ToolChoiceFunction(Strict):
+class ToolChoiceFunction(StrictModel):
     type: Literal["function"]
     name: str = Field(min_length=1)
 
@@ -122,15 +146,15 @@ class ToolChoiceFunction(Strict):
 ToolChoice = Literal["none", "auto", "required"] | tagged_union((ToolChoiceFunction, "function"))
 
 
-class TextFormatText(Strict):
+class TextFormatText(StrictModel):
     type: Literal["text"]
 
 
-class TextFormatJSONObject(Strict):
+class TextFormatJSONObject(StrictModel):
     type: Literal["json_object"]
 
 
-class TextFormatJSONSchema(Strict):
+class TextFormatJSONSchema(StrictModel):
     type: Literal["json_schema"]
     name: str = Field(pattern=NAME_PATTERN)
     schema_: dict[str, Any] = Field(alias="schema")
@@ -142,29 +166,31 @@ TextFormat = tagged_union((TextFormatText, "text"), (TextFormatJSONObject, "json
                     (TextFormatJSONSchema, "json_schema"))
 
 
-class TextConfig(Strict):
+class TextConfig(StrictModel):
     format: TextFormat | None = None
-    verbosity: Literal["low", "medium", "high"] | None = None
+    verbosity: refused("not supported by this server's models") = None
 
 
-class Reasoning(Strict):
+class Reasoning(StrictModel):
     effort: Effort | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
     generate_summary: Literal["auto", "concise", "detailed"] | None = None
 
 
-class ResponsesStreamOptions(Strict):
+class ResponsesStreamOptions(StrictModel):
     include_obfuscation: bool | None = None
 
 
-class ResponsesRequest(Strict):
-    model: str | None = None
+class ResponsesRequest(RequestBody):
+    schema_fields = frozenset({"tools", "tool_choice", "text"})
+
+    model: ModelName | None = None
     input: str | list[InputItem]
     instructions: str | None = None
     tools: list[Tool] = []
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
+    max_output_tokens: MaxTokens | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     reasoning: Reasoning | None = None
@@ -173,25 +199,27 @@ class ResponsesRequest(Strict):
     previous_response_id: str | None = Field(default=None, min_length=1)
     stream: bool | None = None
     stream_options: ResponsesStreamOptions | None = None
-    include: list[Includable] | None = None
+    include: Include | None = None
     metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(
         default=None, max_length=16)
-    truncation: Literal["auto", "disabled"] | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    max_tool_calls: int | None = Field(default=None, ge=1)
-    background: bool | None = None
-    conversation: str | dict[str, Any] | None = None
-    prompt: dict[str, Any] | None = None
+    truncation: NoAutoTruncation = None
+    top_logprobs: refused("logprobs are not supported on /v1/responses", 0) = None
+    max_tool_calls: integer(ge=1, description="bounds built-in tool calls, which this server has none of") | None = None
+    background: refused("background responses are not supported", False) = None
+    conversation: NoConversations = None
+    prompt: refused("prompt templates are not supported") = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     user: str | None = None  # informational, as in OpenAI's API
     safety_identifier: str | None = None  # informational
     prompt_cache_key: str | None = None  # informational: the prefix cache needs no key
 
 
-class InputTokensRequest(Strict):
+class InputTokensRequest(RequestBody):
     """`POST /v1/responses/input_tokens`: the prompt a create request with these fields would have."""
 
-    model: str | None = None
+    schema_fields = ResponsesRequest.schema_fields
+
+    model: ModelName | None = None
     input: str | list[InputItem] | None = None
     instructions: str | None = None
     tools: list[Tool] = []
@@ -200,5 +228,5 @@ class InputTokensRequest(Strict):
     reasoning: Reasoning | None = None
     text: TextConfig | None = None
     previous_response_id: str | None = Field(default=None, min_length=1)
-    truncation: Literal["auto", "disabled"] | None = None
-    conversation: str | dict[str, Any] | None = None
+    truncation: NoAutoTruncation = None
+    conversation: NoConversations = None

@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from hyserve.entrypoints.openai.errors import validation_message
 from hyserve.entrypoints.openai.protocol import APIError, ChatCompletionRequest
 from hyserve.entrypoints.openai.protocol_responses import (
     FunctionCallItem,
@@ -143,8 +144,6 @@ def chat_response_format(req: ResponsesRequest) -> dict | None:
     text = req.text
     if text is None:
         return None
-    if text.verbosity is not None:
-        raise APIError(400, "text.verbosity is not supported by this server's models", param="text.verbosity")
     fmt = text.format
     if fmt is None or isinstance(fmt, TextFormatText):
         return None
@@ -154,22 +153,6 @@ def chat_response_format(req: ResponsesRequest) -> dict | None:
         return {"type": "json_schema", "json_schema": {"name": fmt.name, "schema": fmt.schema_}}
     raise APIError(400, f"text.format of type {fmt.type!r} is not supported; use text, json_object or json_schema",
                    param="text.format")
-
-
-def check_supported(req: ResponsesRequest) -> None:
-    """Fields of the API that this server cannot honour: refused by name rather than ignored."""
-    refused = [
-        ("background", bool(req.background), "background responses are not supported"),
-        ("conversation", req.conversation is not None, "conversations are not supported; use previous_response_id"),
-        ("prompt", req.prompt is not None, "prompt templates are not supported"),
-        ("truncation", req.truncation == "auto", "truncation 'auto' is not supported; the input must fit"),
-        ("top_logprobs", bool(req.top_logprobs), "logprobs are not supported on /v1/responses"),
-        ("include", "message.output_text.logprobs" in (req.include or []),
-         "message.output_text.logprobs is not supported"),
-    ]
-    for param, bad, message in refused:
-        if bad:
-            raise APIError(400, message, param=param)
 
 
 def chat_request(req: Any, messages: list[dict], stream: bool = False) -> ChatCompletionRequest:
@@ -186,5 +169,5 @@ def chat_request(req: Any, messages: list[dict], stream: bool = False) -> ChatCo
             body[chat_name] = getattr(req, name)
     try:
         return ChatCompletionRequest(**body)
-    except ValidationError as e:
-        raise APIError(400, f"invalid request: {e.errors()[0]['msg']}", param="input") from e
+    except ValidationError as e:  # what the chat path refuses, named in this API's words
+        raise APIError(400, *validation_message(e, rename=CHAT_PARAMS)) from e

@@ -6,20 +6,18 @@ not O(n^2). The least recently used responses go first once the store is over it
 budget; a conversation whose earlier turn was evicted can no longer be continued, which the caller
 answers with a 404 naming the missing response.
 
-Sizes: `HYSERVE_RESPONSES_STORE_SIZE` responses (default 4096) and `HYSERVE_RESPONSES_STORE_MIB`
-MiB of JSON (default 256).
+Sizes: `hyserve serve --responses-store-size` responses and `--responses-store-mib` MiB of JSON
+(`for_server`; defaults from HYSERVE_RESPONSES_STORE_SIZE / _MIB, else 4096 responses and 256 MiB).
 """
 
 from __future__ import annotations
 
 import json
-import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-DEFAULT_ENTRIES = 4096
-DEFAULT_MIB = 256
+from hyserve import envs
 
 
 @dataclass
@@ -39,7 +37,8 @@ class MissingResponse(KeyError):
 
 
 class ResponseStore:
-    def __init__(self, max_entries: int = DEFAULT_ENTRIES, max_bytes: int = DEFAULT_MIB << 20) -> None:
+    def __init__(self, max_entries: int = envs.DEFAULT_RESPONSES_STORE_SIZE,
+                 max_bytes: int = envs.DEFAULT_RESPONSES_STORE_MIB << 20) -> None:
         if max_entries < 1 or max_bytes < 1:
             raise ValueError("the response store needs room for at least one response")
         self.max_entries, self.max_bytes = max_entries, max_bytes
@@ -47,10 +46,11 @@ class ResponseStore:
         self.bytes = 0
 
     @classmethod
-    def from_env(cls) -> ResponseStore:
-        entries = int(os.environ.get("HYSERVE_RESPONSES_STORE_SIZE", DEFAULT_ENTRIES))
-        mib = float(os.environ.get("HYSERVE_RESPONSES_STORE_MIB", DEFAULT_MIB))
-        return cls(entries, int(mib * (1 << 20)))
+    def for_server(cls, size: int | None, mib: float | None) -> ResponseStore:
+        """The store of `hyserve serve`'s --responses-store-size / --responses-store-mib (None: not given)."""
+        env = envs.get()
+        mib = env.responses_store_mib if mib is None else mib
+        return cls(env.responses_store_size if size is None else size, max(1, int(mib * (1 << 20))))
 
     def __len__(self) -> int:
         return len(self._items)

@@ -43,12 +43,14 @@ from hyserve.entrypoints.openai.protocol import (
     TokenizeChatRequest,
     TokenizeRequest,
 )
+from hyserve.entrypoints.openai.responses_store import ResponseStore
 from hyserve.entrypoints.openai.serving_chat import create_chat_completion
 from hyserve.entrypoints.openai.serving_common import ServerState
 from hyserve.entrypoints.openai.serving_completion import create_completion
 from hyserve.entrypoints.openai.serving_responses import responses_router
 from hyserve.entrypoints.serve import SERVE_EXCLUDED
 from hyserve.metrics import ServerMetrics
+from hyserve.sampling_params import max_n
 from hyserve.tokenizer import load_tokenizer, tokenizer_source
 
 log = logging.getLogger("hyserve.server")
@@ -100,10 +102,13 @@ def build_app(args: argparse.Namespace, on_engine_dead: Callable[[str], None] | 
         except (KeyError, ValueError) as e:
             await client.shutdown()
             raise RuntimeError(f"chat encoding {encoding!r} does not fit this model's tokenizer: {e}") from e
+        store = ResponseStore.for_server(getattr(args, "responses_store_size", None),
+                                         getattr(args, "responses_store_mib", None))
         holder["state"] = ServerState(
             client=client, tokenizer=tokenizer, served_model_name=served, model_path=cfg.model, family=family,
             chat_encoding=encoding, max_waiting_requests=args.max_waiting_requests,
             emit_reasoning_content=bool(getattr(args, "reasoning_content", False)), metrics=metrics,
+            extra={"responses_store": store},
         )
         log.info("engine ready: %s", client.info.get("cache_description"))
         log.info("cache config: %s", describe_config(client.info["config"], client.info))
@@ -115,9 +120,13 @@ def build_app(args: argparse.Namespace, on_engine_dead: Callable[[str], None] | 
     app = FastAPI(title="hyserve", version=hyserve.__version__, lifespan=lifespan)
     app.add_middleware(RequestIdAndAuth, api_key=args.api_key)
 
-    def bounds() -> dict[str, int] | None:
+    def bounds() -> dict[str, Any] | None:
+        """The largest token id and max_tokens (a prompt has one token at least) and n; the model's names."""
         s = holder.get("state")
-        return None if s is None else {"vocab_size": int(s.client.info["vocab_size"]), "max_model_len": s.max_model_len}
+        if s is None:
+            return None
+        return {"token_id": int(s.client.info["vocab_size"]) - 1, "max_tokens": s.max_model_len - 1, "n": max_n(),
+                "model_names": list(dict.fromkeys((s.served_model_name, s.model_path)))}
 
     api_docs.install_openapi(app, bounds)
 
@@ -162,7 +171,6 @@ def build_app(args: argparse.Namespace, on_engine_dead: Callable[[str], None] | 
     app.include_router(responses_router(state))
     app.include_router(messages_router(state))
 
-    @app.post("/tokenize")
     @app.post("/tokenize", responses={**api_docs.json_ok(api_docs.TokenizeResponse), **api_docs.TOKENS})
     async def tokenize(req: TokenizeRequest) -> dict:
         s = state()

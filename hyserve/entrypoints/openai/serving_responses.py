@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import AfterValidator
+from pydantic_core import PydanticCustomError
+from starlette.convertors import StringConvertor, register_url_convertor
 
-from hyserve.entrypoints.openai.protocol import APIError, ErrorResponse
+from hyserve.entrypoints.openai import responses_docs as docs
+from hyserve.entrypoints.openai.protocol import APIError
 from hyserve.entrypoints.openai.protocol_responses import InputTokensRequest, ResponsesRequest
 from hyserve.entrypoints.openai.responses_items import (
     CHAT_PARAMS,
     chat_request,
-    check_supported,
     input_messages,
 )
 from hyserve.entrypoints.openai.responses_output import ResponseTurn
@@ -33,25 +36,31 @@ from hyserve.entrypoints.openai.turn_blocks import (
     turn_events,
 )
 
-_ERRORS = {400: "Invalid request", 401: "Invalid or missing API key", 404: "No such model or response",
-           500: "Internal error", 503: "The engine is not running, or the server is overloaded"}
-ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    **{code: {"model": ErrorResponse, "description": text} for code, text in _ERRORS.items()},
-    "4XX": {"model": ErrorResponse, "description": "Any other client error, in the same shape"},
-}
-_CREATED = {200: {"description": "A Response object; with `stream: true`, an SSE stream of response events",
-                  "content": {"application/json": {"schema": {"type": "object"}},
-                              "text/event-stream": {"schema": {"type": "string"}}}}}
+
+def _no_stream(stream: bool) -> bool:
+    if stream:
+        raise PydanticCustomError("unsupported", "streaming a stored response is not supported")
+    return stream
+
+
+class _ResponseId(StringConvertor):
+    """A path segment naming a stored response: any but `input_tokens`, whose path is its own route (so
+    that GET /v1/responses/input_tokens is a 405, as the document says, not a lookup of that id)."""
+
+    regex = "(?!input_tokens$)[^/]+"
+
+
+register_url_convertor("response_id", _ResponseId())
+_BY_ID = "/v1/responses/{response_id:response_id}"
+
+# Accepted as OpenAI's API has it, so that the SDK's retrieve works; only false is served.
+NoStream = Annotated[bool, AfterValidator(_no_stream),
+                     Query(description="only false is served", json_schema_extra={"enum": [False]})]
 
 
 def response_store(state: ServerState) -> ResponseStore:
-    if "responses_store" not in state.extra:
-        state.extra["responses_store"] = ResponseStore.from_env()
+    """The server's store (`ResponseStore.for_server`, made when the server starts)."""
     return state.extra["responses_store"]
-
-
-def in_responses_words(e: APIError) -> APIError:
-    return APIError(e.status, e.message, CHAT_PARAMS.get(e.param, e.param), e.headers)
 
 
 def _history(store: ResponseStore, previous_id: str | None) -> list[dict]:
@@ -94,12 +103,11 @@ async def _stream(turn: ResponseTurn, max_calls: int | None) -> AsyncIterator[st
 
 
 async def create_response(state: ServerState, req: ResponsesRequest, request: Request):
-    check_supported(req)
     messages, new = _messages(state, req)
     try:
         run = await start_chat_completion(state, chat_request(req, messages, bool(req.stream)), id_prefix="resp")
     except APIError as e:
-        raise in_responses_words(e) from e
+        raise e.renamed(CHAT_PARAMS) from e
     turn = ResponseTurn(state, req, run, new, response_store(state) if req.store is not False else None)
     max_calls = 1 if req.parallel_tool_calls is False else None
     if req.stream:
@@ -110,13 +118,11 @@ async def create_response(state: ServerState, req: ResponsesRequest, request: Re
 
 
 def count_input_tokens(state: ServerState, req: InputTokensRequest) -> dict[str, Any]:
-    if req.conversation is not None:
-        raise APIError(400, "conversations are not supported; use previous_response_id", param="conversation")
     messages, _ = _messages(state, req)
     try:
         ids = render_chat_prompt(state, chat_request(req, messages)).ids
     except APIError as e:
-        raise in_responses_words(e) from e
+        raise e.renamed(CHAT_PARAMS) from e
     return {"object": "response.input_tokens", "input_tokens": len(ids)}
 
 
@@ -130,21 +136,19 @@ def _stored(state: ServerState, response_id: str) -> StoredResponse:
 def responses_router(state: Callable[[], ServerState]) -> APIRouter:
     router = APIRouter(tags=["responses"])
 
-    @router.post("/v1/responses", responses={**_CREATED, **ERROR_RESPONSES})
+    @router.post("/v1/responses", responses=docs.CREATE)
     async def responses_create(req: ResponsesRequest, request: Request):
         return await create_response(state(), req, request)
 
-    @router.post("/v1/responses/input_tokens", responses=ERROR_RESPONSES)
+    @router.post("/v1/responses/input_tokens", responses=docs.INPUT_TOKENS)
     async def responses_input_tokens(req: InputTokensRequest) -> dict:
         return count_input_tokens(state(), req)
 
-    @router.get("/v1/responses/{response_id}", responses=ERROR_RESPONSES)
-    async def responses_retrieve(response_id: str, stream: bool = False) -> dict:
-        if stream:
-            raise APIError(400, "streaming a stored response is not supported", param="stream")
+    @router.get(_BY_ID, responses=docs.RETRIEVE)
+    async def responses_retrieve(response_id: str, stream: NoStream = False) -> dict:
         return _stored(state(), response_id).body
 
-    @router.delete("/v1/responses/{response_id}", responses=ERROR_RESPONSES)
+    @router.delete(_BY_ID, responses=docs.DELETE)
     async def responses_delete(response_id: str) -> dict:
         _stored(state(), response_id)
         response_store(state()).delete(response_id)
