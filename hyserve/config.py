@@ -86,13 +86,16 @@ class EngineConfig:
               "(default: env HYSERVE_PREFIX_CACHE_RETENTION_INTERVAL, else 0)", min=0, metavar="N")
     prefix_cache_second_hit: bool = _opt(True, "keep the branch point of a prefix seen a second time")
     prefix_cache_end_of_generation: bool = _opt(True, "keep the state at the end of each generation")
+    prefix_cache_last_full_page: bool = _opt(True, "keep the state at the prompt's last full page, where a later "
+                                                   "prompt that shares its pages but not its tail resumes")
     num_checkpoint_slots: int | None = _opt(None, "state slots reserved for prefix-cache checkpoints "
                                                   "(default: --max-num-seqs sessions x "
                                                   "--prefix-cache-checkpoints-per-session, within half the memory "
                                                   "the running slots leave)", min=0, metavar="N")
     prefix_cache_checkpoints_per_session: int = _opt(
-        4, "prefix-cache checkpoints the cache is sized to keep per live session (its newest retention points "
-           "and its share of branch points)", min=1, metavar="N")
+        8, "prefix-cache checkpoints the cache is sized to keep per live session (a turn takes up to four: "
+           "branch point, last full page, prompt end, end of generation; the newest turn and the one before)",
+        min=1, metavar="N")
     cpu_offload_bytes: int = _opt(0, "CPU tier of the prefix cache, in GiB; 0 = off", flag="--kv-offloading-size",
                                   scale=GIB, min=0, metavar="GIB")
     # execution

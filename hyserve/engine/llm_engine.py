@@ -127,8 +127,7 @@ class LLMEngine:
         self.scheduler = Scheduler(cfg, self.kv)
         self.startup.lap("cache allocation")
         if cfg.warmup:  # kernels compiled and tuned before ready; before the graphs take what memory is left
-            run_warmup(self.model, self.kv, plan_warmup(cfg, self.max_model_len, self.kv, cuda_graphs))
-            self.startup.lap("warm-up")
+            run_warmup(self.model, self.kv, plan_warmup(cfg, self.max_model_len, self.kv, cuda_graphs), self.startup)
         graphs = None
         if cuda_graphs:
             # a decode step has at most one token per sequence, so the token budget caps it too

@@ -76,7 +76,6 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.cfg.max_num_batched_tokens
-        # while others share the step a long prompt takes at most the threshold (planning/step_budget.py)
         cap = self.cfg.long_prefill_token_threshold or budget if len(self.running) + len(self.waiting) > 1 else budget
         for req in list(self.running):
             if budget == 0:

@@ -36,6 +36,7 @@ from hyserve.engine.model_runner import ModelRunner
 from hyserve.engine.request import Request
 from hyserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from hyserve.sampling_params import SamplingParams
+from hyserve.startup import StartupClock
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +98,17 @@ def _ids(n: int, vocab: int) -> list[int]:
     return [(7 + 31 * i) % vocab for i in range(n)]
 
 
-def run_warmup(model, kv: KVCacheManager, steps: list[WarmupStep]) -> float:
-    """Run `steps` eagerly, as the engine runs prefill and mixed steps; returns the seconds taken."""
+def run_warmup(model, kv: KVCacheManager, steps: list[WarmupStep], clock: StartupClock | None = None) -> float:
+    """Run `steps` eagerly, as the engine runs prefill and mixed steps; returns the seconds taken, which
+    `clock` also books as the start-up phase "warm-up"."""
+    try:
+        return _run(model, kv, steps)
+    finally:
+        if clock is not None:
+            clock.lap("warm-up")
+
+
+def _run(model, kv: KVCacheManager, steps: list[WarmupStep]) -> float:
     if not steps:
         return 0.0
     t0, runner, vocab = time.perf_counter(), ModelRunner(model, kv), model.config.vocab_size
