@@ -4,19 +4,14 @@ known to work end to end."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
-from bench_util import BENCHMARKS, load_benchmark
+from bench_util import benchmark_on_path
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        yield load_benchmark("gpu_issue24")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    with benchmark_on_path("gpu_issue24") as module:
+        yield module
 
 
 def test_the_engines_start_up_line_is_parsed_into_phases(bench):

@@ -3,19 +3,14 @@ of the planned composition and set against its floor."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
-from bench_util import BENCHMARKS, load_benchmark
+from bench_util import benchmark_on_path
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        yield load_benchmark("gpu_step_cost")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    with benchmark_on_path("gpu_step_cost") as module:
+        yield module
 
 
 def test_rows_are_decodes_prefill_and_context(bench):
