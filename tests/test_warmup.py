@@ -57,14 +57,17 @@ def test_the_pools_are_as_they_were_after_the_warmup(make_engine, model):
 
 
 @pytest.mark.parametrize("model", ["k3-tiny", "k3.1-tiny"])
-def test_the_warmup_runs_exactly_the_planned_ladder(make_engine, tiny_model, model):
+def test_the_warmup_runs_exactly_the_planned_ladder_and_shows_its_progress(make_engine, tiny_model, model, caplog):
     weights, _ = tiny_model(model)
     cold = make_engine(model, warmup=False, max_num_batched_tokens=BUDGET, max_num_seqs=8)
     plan = plan_warmup(cold.cfg, cold.max_model_len, cold.kv, decode_graphs=False)
-    with recorded_forwards(weights) as seen:
+    with recorded_forwards(weights) as seen, caplog.at_level("INFO", logger="hyserve.planning.warmup"):
         warm = make_engine(model, warmup=True, max_num_batched_tokens=BUDGET, max_num_seqs=8)
     assert seen == [(s.query_lens, s.context_lens) for s in plan]
     assert "warm-up" in warm.startup.phases
+    progress = [r.getMessage() for r in caplog.records if r.name == "hyserve.planning.warmup"]
+    assert len(progress) == len(token_ladder(BUDGET)) + 1  # one line per token count, one for the eager decodes
+    assert progress[-1].startswith(f"warm-up: eager decodes done ({len(plan)}/{len(plan)} steps")
 
 
 def test_the_ladder_covers_every_token_count_with_and_without_decodes_and_cached_context(make_engine):

@@ -180,10 +180,10 @@ class PrefixCache(NoPrefixCache):
         self.rows = [tensors.pages] if tensors.index_keys is None else [tensors.pages, tensors.index_keys]
         self.cpu = CpuTier(cfg.cpu_offload_bytes, tensors) if cfg.cpu_offload_bytes > 0 else None
         self.last_full_page = cfg.prefix_cache_last_full_page
-        resume_points = lambda: {c.newest for c in self._chains.values()} - {None}  # noqa: E731
-        self.checkpoints = CheckpointStore(checkpoint_slots, blocks, tensors, self.rows, self.cpu, resume_points)
+        self._chains: dict[Request, _Chain] = (chains := {})  # the lambda below holds this, not self: no cycle
+        self.checkpoints = CheckpointStore(checkpoint_slots, blocks, tensors, self.rows, self.cpu,
+                                           lambda: {c.newest for c in chains.values()} - {None})
         self.seen = _PrefixRecord(max_parents=max(1024, 4 * blocks.num_blocks))
-        self._chains: dict[Request, _Chain] = {}
         self._serials = itertools.count(1)
         # counters (tokens for queries/hits; hits = prefill tokens actually skipped)
         self.queries = self.hits = self.cpu_hits = self.num_page_evictions = 0
