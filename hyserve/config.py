@@ -60,7 +60,12 @@ class EngineConfig:
     served_model_name: str | None = _opt(None, "the name clients use (default: MODEL)")
     # scheduler
     max_num_seqs: int = _opt(64, "most sequences in one step", min=1)
-    max_num_batched_tokens: int = _opt(2048, "token budget of one step (prefill chunks and decodes)", min=1)
+    max_num_batched_tokens: int | None = _opt(
+        None, "token budget of one step (prefill chunks and decodes); default: from the step cost model "
+              "(8192 for the 48B shape on an H200), 2048 on the CPU", min=1)
+    long_prefill_token_threshold: int | None = _opt(
+        None, "most tokens one prompt's chunk takes from a step while other requests run or wait; 0 = no cap "
+              "(default: from the step cost model, 4096 for the 48B shape on an H200; none on the CPU)", min=0, metavar="N")
     max_model_len: int | None = _opt(None, "context limit (default: the model's)", min=1)
     scheduling_policy: str = _opt("fcfs", "priority: requests' `priority` field orders the waiting queue",
                                   choices=("fcfs", "priority"))
@@ -81,8 +86,16 @@ class EngineConfig:
               "(default: env HYSERVE_PREFIX_CACHE_RETENTION_INTERVAL, else 0)", min=0, metavar="N")
     prefix_cache_second_hit: bool = _opt(True, "keep the branch point of a prefix seen a second time")
     prefix_cache_end_of_generation: bool = _opt(True, "keep the state at the end of each generation")
+    prefix_cache_last_full_page: bool = _opt(True, "keep the state at the prompt's last full page, where a later "
+                                                   "prompt that shares its pages but not its tail resumes")
     num_checkpoint_slots: int | None = _opt(None, "state slots reserved for prefix-cache checkpoints "
-                                                  "(default: sized by the engine)", min=0, metavar="N")
+                                                  "(default: --max-num-seqs sessions x "
+                                                  "--prefix-cache-checkpoints-per-session, within half the memory "
+                                                  "the running slots leave)", min=0, metavar="N")
+    prefix_cache_checkpoints_per_session: int = _opt(
+        8, "prefix-cache checkpoints the cache is sized to keep per live session (a turn takes up to four: "
+           "branch point, last full page, prompt end, end of generation; the newest turn and the one before)",
+        min=1, metavar="N")
     cpu_offload_bytes: int = _opt(0, "CPU tier of the prefix cache, in GiB; 0 = off", flag="--kv-offloading-size",
                                   scale=GIB, min=0, metavar="GIB")
     # execution
@@ -94,6 +107,9 @@ class EngineConfig:
     async_scheduling: bool | None = _opt(None, "launch each step before reading back the previous one's tokens, "
                                                "so host work overlaps the GPU (a request that stops computes one "
                                                "token more, which is dropped); default: on for CUDA devices")
+    warmup: bool | None = _opt(None, "run the prefill and mixed-step shapes of the token-count ladder at start-up, "
+                                     "so kernels are compiled and tuned before ready (default: on for CUDA "
+                                     "devices)")
     # the server's periodic stats line (hyserve/stats_logger.py)
     disable_log_stats: bool = _opt(False, "no periodic stats line in the server log")
 
@@ -115,14 +131,37 @@ class EngineConfig:
         return " ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
 
 
+# the step budget hyserve used before the cost model, and what the CPU keeps (planning/step_budget.py)
+LEGACY_STEP_BUDGET = 2048
+
+
+def _step_budget(cfg: EngineConfig, cuda: bool, dtype: str, model_config, device_name: str | None) -> tuple[int, int]:
+    """(max_num_batched_tokens, long_prefill_token_threshold): the given ones, the rest from the step cost model."""
+    budget, threshold = cfg.max_num_batched_tokens, cfg.long_prefill_token_threshold
+    if model_config is None or (budget is not None and threshold is not None):
+        return budget or LEGACY_STEP_BUDGET, threshold or 0
+    from hyserve.planning.ceilings import ceilings_for
+    from hyserve.planning.step_budget import choose_step_budget
+    from hyserve.planning.step_cost import StepCostModel
+
+    weight_bytes = 4 if dtype == "float32" else 2
+    chosen = choose_step_budget(StepCostModel(model_config, weight_bytes), ceilings_for(device_name) if cuda else None,
+                                cfg.max_num_seqs, budget, threshold)
+    log.info("step budget: max_num_batched_tokens %d, long_prefill_token_threshold %d (%s)",
+             chosen.max_num_batched_tokens, chosen.long_prefill_token_threshold, chosen.reason)
+    return chosen.max_num_batched_tokens, chosen.long_prefill_token_threshold
+
+
 def resolve_config(
     cfg: EngineConfig, device: str, dtype: str, max_position_embeddings: int | None = None,
-    env: envs.Envs | None = None,
+    env: envs.Envs | None = None, model_config=None, device_name: str | None = None,
 ) -> EngineConfig:
     """The config with every "decide for me" default filled in, for a model loaded on `device` (e.g. "cpu",
     "cuda:0") in `dtype` ("bfloat16"): the env aliases (HYSERVE_CUDA_GRAPHS, the retention interval) where
-    no field was given, CUDA graphs and async scheduling on CUDA only, the cache in the model dtype, the
-    context limit capped by the model's. The one place these defaults are decided; `cfg` is not changed."""
+    no field was given, CUDA graphs, async scheduling and the warm-up on CUDA only, the cache in the model
+    dtype, the context limit capped by the model's, the step budget from the cost model of `model_config`
+    (a ModelConfig) on the device named `device_name` (hyserve's earlier 2,048 tokens without them). The
+    one place these defaults are decided; `cfg` is not changed."""
     env = env or envs.get()
     cuda = device.split(":")[0] == "cuda"
     eager = cfg.enforce_eager or not env.cuda_graphs or not cuda
@@ -131,8 +170,10 @@ def resolve_config(
         interval = env.prefix_cache_retention_interval or 0
     limit = max_position_embeddings
     max_len = cfg.max_model_len if limit is None else min(cfg.max_model_len or limit, limit)
+    budget, threshold = _step_budget(cfg, cuda, dtype, model_config, device_name)
     return dataclasses.replace(
-        cfg, device=device, dtype=dtype, enforce_eager=eager,
+        cfg, device=device, dtype=dtype, enforce_eager=eager, warmup=cuda if cfg.warmup is None else cfg.warmup,
+        max_num_batched_tokens=budget, long_prefill_token_threshold=threshold,
         async_scheduling=cuda if cfg.async_scheduling is None else cfg.async_scheduling,
         prefix_cache_retention_interval=interval, max_model_len=max_len,
         kv_cache_dtype=dtype if cfg.kv_cache_dtype == "auto" else cfg.kv_cache_dtype,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -19,3 +20,14 @@ def load_benchmark(name: str):
     finally:
         sys.path.remove(str(BENCHMARKS))
     return mod
+
+
+@contextmanager
+def benchmark_on_path(name: str):
+    """benchmarks/<name>.py as a module, with benchmarks/ on sys.path while it is used (its main() imports
+    gpu_common and its other siblings when it runs)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        yield load_benchmark(name)
+    finally:
+        sys.path.remove(str(BENCHMARKS))

@@ -196,6 +196,8 @@ SAMPLES = {
     "prefix_cache_second_hit": (None, False), "prefix_cache_end_of_generation": (None, False),
     "num_checkpoint_slots": ("2", 2), "cpu_offload_bytes": ("0.5", 2**29), "enforce_eager": (None, False),
     "async_scheduling": (None, False), "load_format": ("dummy", "dummy"), "disable_log_stats": (None, False),
+    "long_prefill_token_threshold": ("512", 512), "prefix_cache_checkpoints_per_session": ("3", 3),
+    "warmup": (None, False), "prefix_cache_last_full_page": (None, False),
 }
 
 

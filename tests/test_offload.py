@@ -12,7 +12,7 @@ from hyserve import SamplingParams
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 # one checkpoint slot and 20 pages: every new prompt pushes the previous checkpoint and pages out
 TIGHT = dict(num_checkpoint_slots=1, num_gpu_blocks=20, prefix_cache_second_hit=False,
-             prefix_cache_end_of_generation=False, cpu_offload_bytes=8 << 20)
+             prefix_cache_end_of_generation=False, prefix_cache_last_full_page=False, cpu_offload_bytes=8 << 20)
 
 
 def test_a_checkpoint_restored_from_the_cpu_tier_gives_identical_outputs(make_engine):

@@ -11,7 +11,8 @@ from prefix_cache_util import agent_workload, batch, generate, tokens
 
 from hyserve import SamplingParams
 
-ONLY_PROMPT_END = dict(prefix_cache_second_hit=False, prefix_cache_end_of_generation=False)
+ONLY_PROMPT_END = dict(prefix_cache_second_hit=False, prefix_cache_end_of_generation=False,
+                       prefix_cache_last_full_page=False)
 
 
 def test_outputs_identical_on_and_off_over_an_agent_workload_with_eviction(make_engine):

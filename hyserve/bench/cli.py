@@ -320,28 +320,44 @@ def _add_sweep_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="only plot these replay result JSONs (no server needed)",
     )
-    p.add_argument("--concurrencies", type=_int_list, default=[1, 2, 4, 8])
+    p.add_argument("--concurrencies", type=_int_list, default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--out-dir", default="bench_sweep")
+    p.add_argument("--floor-model", default=None,
+                   help="preset or model directory whose step cost model draws the floor line (e.g. kimi-linear-48b-a3b)")
+    p.add_argument("--floor-device", default="H200", help="the device whose ceilings the floor uses")
     _add_replay_args(p, traces_required=False)
     p.set_defaults(bench_func=cmd_sweep)
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
+    from hyserve.bench.frontier import floor_points
     from hyserve.bench.sweep import run_sweep, write_sweep_outputs
 
+    def floor_of(results: list[dict]) -> list:
+        return floor_points(results, args.floor_model, args.floor_device) if args.floor_model else []
+
+    if args.floor_model:
+        from hyserve.planning.ceilings import KNOWN, ceilings_for
+
+        if ceilings_for(args.floor_device) is None:
+            print(f"error: no ceilings known for --floor-device {args.floor_device!r} "
+                  f"(known: {', '.join(k for k, _ in KNOWN)})", file=sys.stderr)
+            return 2
     if args.from_results:
         results = [json.loads(Path(f).read_text()) for f in args.from_results]
-        paths = write_sweep_outputs(results, args.out_dir)
+        paths = write_sweep_outputs(results, args.out_dir, floor_of(results))
     else:
         if not args.traces:
             print("error: --traces is required unless --from-results is given", file=sys.stderr)
             return 2
         base = _replay_config(args, 1)
-        results = asyncio.run(run_sweep(base, args.concurrencies, args.out_dir))
+        results = asyncio.run(run_sweep(base, args.concurrencies, args.out_dir, floor_of))
         paths = {
             k: Path(args.out_dir) / f
-            for k, f in (("summary", "sweep.json"), ("pareto", "pareto.png"), ("latency", "latency.png"))
+            for k, f in (("summary", "sweep.json"), ("table", "sweep.md"), ("pareto", "pareto.png"),
+                         ("latency", "latency.png"))
         }
+    print(Path(args.out_dir, "sweep.md").read_text())
     for name, path in paths.items():
         print(f"{name}: {path}")
     return 0

@@ -35,15 +35,21 @@ def engine_pid(server: subprocess.Popen) -> int:
 
 @contextmanager
 def serve_subprocess(*flags: str, model: str = "k3-tiny", timeout: float = 180.0,
-                     env: dict[str, str] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+                     env: dict[str, str] | None = None, device: str = "cpu",
+                     log_path: str | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
     """Yields (base URL, the server's Popen) once /health answers 200; stops the server after.
-    `env`: extra environment variables for the server (which runs this checkout's code, on the CPU)."""
+    `env`: extra environment variables for the server (which runs this checkout's code on `device`);
+    `log_path`: keep the server's output there (by default a temporary file, removed after)."""
     port = free_port()
     # tiny matmuls: threads only cost
-    env = envs.child_environ(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **(env or {}))
+    threads = {"OMP_NUM_THREADS": "1"} if device == "cpu" else {}  # tiny CPU matmuls: threads only cost
+    env = envs.child_environ(PYTHONPATH=str(ROOT), **threads, **(env or {}))
     cmd = [sys.executable, "-m", "hyserve.entrypoints.serve", model, "--host", "127.0.0.1",
-           "--port", str(port), "--device", "cpu", *flags]
-    log = tempfile.NamedTemporaryFile("w", prefix="hyserve_server_", suffix=".log", delete=False)
+           "--port", str(port), "--device", device, *flags]
+    if log_path:
+        log = open(log_path, "w")
+    else:
+        log = tempfile.NamedTemporaryFile("w", prefix="hyserve_server_", suffix=".log", delete=False)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -67,4 +73,5 @@ def serve_subprocess(*flags: str, model: str = "k3-tiny", timeout: float = 180.0
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
-        os.unlink(log.name)
+        if not log_path:
+            os.unlink(log.name)

@@ -27,8 +27,9 @@ def _pyplot():
     return plt
 
 
-def plot_pareto(results: Sequence[dict], path: str | Path, percentile: str = "p50") -> Path:
-    """tok/s/user (at `percentile` of ITL) on x, tok/s/GPU on y; each point labelled with its concurrency."""
+def plot_pareto(results: Sequence[dict], path: str | Path, percentile: str = "p50", floor: Sequence = ()) -> Path:
+    """tok/s/user (at `percentile` of ITL) on x, tok/s/GPU on y; each point labelled with its concurrency.
+    `floor`: the hardware's point per concurrency (bench/frontier.py FloorPoint), drawn as a line."""
     plt = _pyplot()
     pts = [(r["tok_s_per_user"].get(percentile), r["tok_s_per_gpu"], r["concurrency"]) for r in results]
     fig, ax = plt.subplots(figsize=(7, 5))
@@ -41,6 +42,15 @@ def plot_pareto(results: Sequence[dict], path: str | Path, percentile: str = "p5
     front = pareto_front([(x, y) for x, y, _ in pts])
     if front:
         ax.plot([p[0] for p in front], [p[1] for p in front], color="tab:orange", label="Pareto front")
+    if floor:
+        pts = sorted(floor, key=lambda p: p.concurrency)
+        ax.plot([p.tok_s_per_user for p in pts], [p.tok_s_per_gpu for p in pts], color="tab:gray", linestyle="--",
+                marker=".", label="floor (step cost model)")
+        for p in pts:
+            ax.annotate(f"c={p.concurrency}", (p.tok_s_per_user, p.tok_s_per_gpu), textcoords="offset points",
+                        xytext=(4, -10), fontsize=7, color="tab:gray")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
     ax.set_xlabel(f"tok/s/user (1 / ITL {percentile})")
     ax.set_ylabel("tok/s/GPU (input + output)")
     ax.set_title("Interactivity vs throughput")

@@ -6,13 +6,13 @@ conv + recurrent state, plus, when p is not page-aligned, a pinned reference to 
 Rows < p % block_size of that page are never written again (the owner only appends), so pinning the
 owner's block is as good as a copy and costs nothing at snapshot time. Checkpoints are never mutated.
 
-When no checkpoint slot is free, the one with the lowest recency + prefill-FLOPs-saved-per-byte score
-goes (min-max normalized, Marconi), to the CPU tier if there is one. Copies are queued until `flush`.
+When no checkpoint slot is free, one goes (planning/eviction.py: never a running request's resume point,
+superseded ones first, then Marconi's score), to the CPU tier if there is one. Copies are queued until `flush`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +20,7 @@ import torch
 from hyserve.engine.block_pool import BlockPool, SlotPool
 from hyserve.engine.offload import CpuTier, unindex
 from hyserve.models.batch import CacheTensors, to_device
+from hyserve.planning.eviction import eviction_victim
 
 # weight of FLOPs-saved-per-byte against recency in the eviction score (Marconi's alpha)
 DEFAULT_ALPHA = 1.0
@@ -35,14 +36,19 @@ class Checkpoint:
     flops_saved: float  # prefill FLOPs from the next shallower checkpoint of its chain to p
     nbytes: int
     last_use: int
+    owner: int = 0  # the serial of the request that took it
+    covers_owner: bool = False  # it lies at or past its owner's prompt's last full page
     pending: bool = True  # its state copy is still queued
+    resumed: int = 0  # requests admitted from it
+    superseded: bool = False  # its session went on without it
 
 
 class CheckpointStore:
     def __init__(self, slots: SlotPool, blocks: BlockPool, tensors: CacheTensors, rows: list[torch.Tensor],
-                 cpu: CpuTier | None):
-        """`rows`: the per-block tensors a tail page covers (MLA pages, DSA index keys)."""
+                 cpu: CpuTier | None, protected: Callable[[], set[Checkpoint]] = set):
+        """`rows`: the per-block tensors a tail page covers; `protected`: running requests' resume points."""
         self.slots, self.blocks, self.t, self.rows, self.cpu = slots, blocks, tensors, rows, cpu
+        self.protected = protected
         self.alpha = DEFAULT_ALPHA
         self.ckpts: dict[tuple[int, int], Checkpoint] = {}
         self.by_base: dict[int, dict[tuple[int, int], Checkpoint]] = {}
@@ -63,40 +69,51 @@ class CheckpointStore:
         self.clock += 1
         c.last_use = self.clock
 
+    def resume(self, c: Checkpoint) -> None:
+        """A request was admitted from c (what supersedes what: planning/eviction.py)."""
+        c.resumed += 1
+        c.superseded = False
+        for d in self.ckpts.values() if c.covers_owner else ():
+            d.superseded |= d.owner == c.owner and d.p > c.p and d.resumed < 2
+
     def take(self, src_slot: int, key: tuple[int, int], base: int, p: int, tail_block: int | None,
-             flops_saved: float, nbytes: int) -> bool:
-        """Queue a checkpoint of running slot `src_slot` (pinning `tail_block`); False when it exists
-        already or no slot can be had."""
+             flops_saved: float, nbytes: int, owner: int = 0, covers_owner: bool = False,
+             parent: Checkpoint | None = None) -> Checkpoint | None:
+        """Queue a checkpoint of running slot `src_slot` (pinning `tail_block`), newer than `parent` on its
+        chain; the one at `key` when it exists already, None when no slot can be had."""
         self.clock += 1
         if key in self.ckpts:
             self.ckpts[key].last_use = self.clock
-            return False
+            return self.ckpts[key]
         if self.cpu is not None and self.cpu.has_checkpoint(key):
-            return False
+            return None
         slot = self.slots.allocate()
         if slot is None:
-            slot = self.evict()
+            slot = self.evict(replacing=parent)  # a newer resume point can replace the request's own
             if slot is None:
-                return False
+                return None
         if tail_block is not None:
             self.blocks.touch(tail_block)
-        c = Checkpoint(key, base, p, slot, tail_block, flops_saved, nbytes, self.clock)
+        c = Checkpoint(key, base, p, slot, tail_block, flops_saved, nbytes, self.clock, owner, covers_owner)
         self.ckpts[key] = c
         self.by_base.setdefault(base, {})[key] = c
         self._snap.append((src_slot, c))
         self.num_taken += 1
-        return True
+        if parent is not None and parent.resumed == 1:
+            parent.superseded = True  # the one request that resumed from it has a newer checkpoint
+        return c
 
-    def evict(self, pins_page: bool = False) -> int | None:
-        """Drop the checkpoint with the lowest score; returns its slot. Nothing running depends on a
-        checkpoint: a hit copies it at admission."""
-        cands = [c for c in self.ckpts.values() if not c.pending and (c.tail_block is not None or not pins_page)]
+    def evict(self, pins_page: bool = False, replacing: Checkpoint | None = None) -> int | None:
+        """Drop one (never a protected one: a hit copies a checkpoint at admission); returns its slot."""
+        keep = self.protected() - {replacing}
+        cands = [c for c in self.ckpts.values()
+                 if not c.pending and c not in keep and (c.tail_block is not None or not pins_page)]
         if not cands and self._snap:
             self.flush()
-            cands = [c for c in self.ckpts.values() if c.tail_block is not None or not pins_page]
+            cands = [c for c in self.ckpts.values() if c not in keep and (c.tail_block is not None or not pins_page)]
         if not cands:
             return None
-        victim = min(cands, key=self._scorer(cands))
+        victim = eviction_victim(cands, self.alpha)
         unindex(self.ckpts, self.by_base, victim)
         self.num_evictions += 1
         if self.cpu is not None:
@@ -121,13 +138,6 @@ class CheckpointStore:
         if c.tail_block is not None:
             self.blocks.free([c.tail_block])
         self.slots.free(c.slot)
-
-    def _scorer(self, cands: list[Checkpoint]):
-        eff = [c.flops_saved / c.nbytes for c in cands]
-        rec = [c.last_use for c in cands]
-        e_lo, e_span = min(eff), (max(eff) - min(eff)) or 1.0
-        r_lo, r_span = min(rec), (max(rec) - min(rec)) or 1.0
-        return lambda c: self.alpha * (c.flops_saved / c.nbytes - e_lo) / e_span + (c.last_use - r_lo) / r_span
 
     def flush(self) -> None:
         """Spill the evicted checkpoints, then run the queued snapshots (which may reuse their slots)."""

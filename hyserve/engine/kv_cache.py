@@ -25,6 +25,7 @@ from hyserve.engine.prefix_cache import NO_HIT, NoPrefixCache, PrefixCache, Pref
 from hyserve.engine.request import Request
 from hyserve.models.batch import CacheTensors
 from hyserve.models.kimi import KimiForCausalLM
+from hyserve.planning.cache_split import checkpoint_slots
 
 log = logging.getLogger(__name__)
 
@@ -84,12 +85,7 @@ def plan_cache(
     else:
         budget = _CPU_DEFAULT_POOL_BYTES
     run_slots = cfg.max_num_seqs
-    if cfg.num_checkpoint_slots is not None:
-        ckpt_slots = cfg.num_checkpoint_slots
-    elif cfg.enable_prefix_caching:
-        ckpt_slots = max(4, min(4 * run_slots, int(0.25 * budget) // slot_bytes))
-    else:
-        ckpt_slots = 0
+    ckpt_slots = checkpoint_slots(cfg, budget, slot_bytes)  # sized from the workload
     # the scratch slot comes on top of the sized default, so max_num_seqs requests can still run; an
     # explicit --num-state-slots count includes it
     num_slots = cfg.num_state_slots if cfg.num_state_slots is not None else run_slots + ckpt_slots + extra

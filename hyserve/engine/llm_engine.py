@@ -33,6 +33,7 @@ from hyserve.engine.scheduler import Scheduler, SchedulerOutput
 from hyserve.engine.step_inputs import PendingTokens
 from hyserve.models.loader import load_model, resolve_dtype
 from hyserve.outputs import Logprob, OutputAccumulator, RequestDelta, RequestOutput
+from hyserve.planning.warmup import plan_warmup, run_warmup
 from hyserve.sampling_params import SamplingParams
 from hyserve.startup import StartupClock, describe_startup, since_process_start
 from hyserve.tokenizer import Tokenizer, load_tokenizer, parse_prompt, tokenizer_source
@@ -108,7 +109,8 @@ class LLMEngine:
         self.device = self.model.device
         # the one resolution of the defaults left open (docs/ARCHITECTURE.md §6); the engine reads only this
         self.cfg = cfg = resolve_config(cfg, str(self.device), str(self.model.dtype).removeprefix("torch."),
-                                        self.model_config.max_position_embeddings)
+                                        self.model_config.max_position_embeddings, model_config=self.model_config,
+                                        device_name=self.model.kernel_plan.device.name)
         log_startup(cfg, self.model.kernel_plan)
         self.tokenizer = tokenizer
         if tokenizer is None and not skip_tokenizer_init:
@@ -124,6 +126,8 @@ class LLMEngine:
         self.kv = KVCacheManager(cfg, self.model, self.cache_plan, cache_dtype)
         self.scheduler = Scheduler(cfg, self.kv)
         self.startup.lap("cache allocation")
+        if cfg.warmup:  # kernels compiled and tuned before ready; before the graphs take what memory is left
+            run_warmup(self.model, self.kv, plan_warmup(cfg, self.max_model_len, self.kv, cuda_graphs), self.startup)
         graphs = None
         if cuda_graphs:
             # a decode step has at most one token per sequence, so the token budget caps it too

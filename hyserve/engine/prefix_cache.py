@@ -27,6 +27,7 @@ does, from what they return.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import os
 from array import array
@@ -90,6 +91,8 @@ class _Chain:
     registered: int = 0  # full pages registered in the BlockPool
     plan: list[int] = field(default_factory=list)  # positions to snapshot during prefill
     checkpoints: list[int] = field(default_factory=list)  # positions of checkpoints on this chain
+    serial: int = 0  # the owner its checkpoints record
+    newest: Checkpoint | None = None  # what the request would resume from (its hit, then its latest snapshot)
 
 
 class _PrefixRecord:
@@ -176,9 +179,12 @@ class PrefixCache(NoPrefixCache):
         # every per-block tensor: a block id covers the MLA rows and, with a DSA indexer, the index keys
         self.rows = [tensors.pages] if tensors.index_keys is None else [tensors.pages, tensors.index_keys]
         self.cpu = CpuTier(cfg.cpu_offload_bytes, tensors) if cfg.cpu_offload_bytes > 0 else None
-        self.checkpoints = CheckpointStore(checkpoint_slots, blocks, tensors, self.rows, self.cpu)
+        self.last_full_page = cfg.prefix_cache_last_full_page
+        self._chains: dict[Request, _Chain] = (chains := {})  # the lambda below holds this, not self: no cycle
+        self.checkpoints = CheckpointStore(checkpoint_slots, blocks, tensors, self.rows, self.cpu,
+                                           lambda: {c.newest for c in chains.values()} - {None})
         self.seen = _PrefixRecord(max_parents=max(1024, 4 * blocks.num_blocks))
-        self._chains: dict[Request, _Chain] = {}
+        self._serials = itertools.count(1)
         # counters (tokens for queries/hits; hits = prefill tokens actually skipped)
         self.queries = self.hits = self.cpu_hits = self.num_page_evictions = 0
         log.info(self.describe())
@@ -186,7 +192,7 @@ class PrefixCache(NoPrefixCache):
             log.warning("prefix caching is on but there are no checkpoint slots: no KDA prefix can be reused")
 
     def describe(self) -> str:
-        policies = ["prompt-end (prompt_len - 1)"]
+        policies = ["prompt-end (prompt_len - 1)"] + ["the prompt's last full page"] * self.last_full_page
         if self.interval:
             policies.append(f"every {self.interval} tokens")
         if self.second_hit:
@@ -210,7 +216,7 @@ class PrefixCache(NoPrefixCache):
         preemption); `gpu_only`: one that needs nothing from the CPU tier."""
         chain = self._chains.get(req)
         if chain is None:
-            chain = self._chains[req] = _Chain(root_hash(req.cache_salt))
+            chain = self._chains[req] = _Chain(root_hash(req.cache_salt), serial=next(self._serials))
         tokens = req.all_token_ids
         self._hashes(chain, tokens, len(tokens) // self.bs)
         if req.params.prompt_logprobs is not None or len(tokens) < 2:  # prompt logprobs need every position
@@ -283,6 +289,8 @@ class PrefixCache(NoPrefixCache):
         plan = set()
         if req.num_prompt_tokens - 1 > p:
             plan.add(req.num_prompt_tokens - 1)
+        if self.last_full_page and req.num_prompt_tokens // self.bs * self.bs > p:
+            plan.add(req.num_prompt_tokens // self.bs * self.bs)  # where a prompt sharing only its pages resumes
         if self.second_hit:
             # Marconi: a prefix shared with an earlier request gets its state at the branch point. Only
             # when it saves at least a page over the hit: chat templates share a few tokens with everyone.
@@ -296,6 +304,9 @@ class PrefixCache(NoPrefixCache):
         self.queries += len(tokens)
         self.hits += hit.num_tokens
         self.cpu_hits += hit.num_tokens if hit.external else 0
+        if isinstance(hit.checkpoint, Checkpoint):
+            chain.newest = hit.checkpoint
+            self.checkpoints.resume(hit.checkpoint)
         if self.second_hit:
             self.seen.record(chain.root, tokens, chain.hashes, self.bs)
 
@@ -371,9 +382,11 @@ class PrefixCache(NoPrefixCache):
         tail = req.block_ids[k] if p % self.bs else None
         parent = max((q for q in chain.checkpoints if q < p), default=0)
         nbytes = self.slot_bytes + (self.page_bytes if tail is not None else 0)
-        if self.checkpoints.take(req.state_slot, self._key(base, tokens, p), base, p, tail,
-                                 self.cost.saved(parent, p), nbytes):
+        c = self.checkpoints.take(req.state_slot, self._key(base, tokens, p), base, p, tail, self.cost.saved(parent, p),
+                                  nbytes, chain.serial, p >= req.num_prompt_tokens // self.bs * self.bs, chain.newest)
+        if c is not None:
             chain.checkpoints.append(p)
+            chain.newest = c
 
     # ---- eviction and copies ---------------------------------------------------------------------
     def release_pinned_page(self) -> bool:

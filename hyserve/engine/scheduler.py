@@ -76,6 +76,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.cfg.max_num_batched_tokens
+        cap = self.cfg.long_prefill_token_threshold or budget if len(self.running) + len(self.waiting) > 1 else budget
         for req in list(self.running):
             if budget == 0:
                 break
@@ -83,7 +84,7 @@ class Scheduler:
                 continue
             if len(req.output_token_ids) + req.num_pending >= req.max_tokens:
                 continue  # async scheduling: its last token is still on the device; it ends when that lands
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens - req.num_computed_tokens, budget, cap)
             while not (granted := self.kv.allocate_slots(req, n)):
                 victim = self._victim()
                 self._preempt(victim, out)
@@ -100,7 +101,7 @@ class Scheduler:
             if req.num_pending:  # preempted with a token in flight: its prefill needs that token's id
                 break
             hit = self.kv.get_computed_tokens(req)
-            n = self.kv.allocate_slots(req, min(req.num_tokens - hit.num_tokens, budget), hit)
+            n = self.kv.allocate_slots(req, min(req.num_tokens - hit.num_tokens, budget, cap), hit)
             if not n:
                 break
             self.waiting.remove(req)

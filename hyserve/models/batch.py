@@ -8,6 +8,7 @@ sequence i owns tokens `cu_seqlens[i]:cu_seqlens[i+1]`, which are its positions
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -73,6 +74,11 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         return int(sum(self.query_lens))
+
+    @functools.cached_property
+    def cu_seqlens_host(self) -> list[int]:
+        """cu_seqlens as host ints, from query_lens: reading the device tensor back would sync the stream."""
+        return [0, *itertools.accumulate(self.query_lens)]
 
     @functools.cached_property
     def prefill_cu(self) -> tuple[list[int], torch.Tensor, torch.Tensor]:

@@ -86,7 +86,7 @@ class Indexer(nn.Module):
             )
         width = min(self.topk, max(batch.context_lens))
         out = torch.full((x.shape[0], width), -1, dtype=torch.long, device=x.device)
-        cu = batch.cu_seqlens.tolist()
+        cu = batch.cu_seqlens_host
         for i, (n, ctx) in enumerate(zip(batch.query_lens, batch.context_lens)):
             sl = slice(cu[i], cu[i + 1])
             qpos = batch.positions[sl]

@@ -66,7 +66,7 @@ class KimiDeltaAttention(nn.Module):
         decode = [i for i, n in enumerate(qlens) if n == 1]
         if decode:
             self._decode(decode, qkv, g, beta, o, batch, conv_pool, rec_pool)
-        cu = batch.cu_seqlens.tolist()
+        cu = batch.cu_seqlens_host
         for i, n in enumerate(qlens):
             if n > 1:
                 self._prefill(i, slice(cu[i], cu[i + 1]), qkv, g, beta, o, batch, conv_pool, rec_pool)

@@ -113,7 +113,7 @@ class MLAttention(nn.Module):
                 q_nope[tok], q_rope[tok], pages, layer, batch.block_tables[idx], ctx_t,
                 self.kv_b_proj.weight, self.rank, self.dv, self.scale,
             )
-        cu = batch.cu_seqlens.tolist()
+        cu = batch.cu_seqlens_host
         for i, n in enumerate(qlens):
             if n > 1:
                 sl = slice(cu[i], cu[i + 1])
@@ -180,7 +180,7 @@ class MLAttention(nn.Module):
                 batch.context_lens_device[idx], max(ctx[i] for i in dec), w, self.rank, self.dv, self.scale, layout,
             )
         if pre:
-            cu = batch.cu_seqlens.tolist()
+            cu = batch.cu_seqlens_host  # not a readback of the device tensor: no host sync
             tok = host_to_device(torch.cat([torch.arange(cu[i], cu[i + 1]) for i in pre]), dev) if dec else slice(None)
             bt = batch.block_tables[to_device(pre, torch.long, dev)] if dec else batch.block_tables
             o[tok] = mla_prefill_fast(

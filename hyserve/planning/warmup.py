@@ -1,0 +1,135 @@
+"""The warm start: before "ready", run the prefill and mixed-step shapes of a token-count ladder through
+the real forward, so Triton compiles and autotunes every kernel those steps launch and no request pays
+for it (a first 1,024-token request on the 48B waited 44 s). Decode steps are then captured in CUDA
+graphs as before, which compiles the decode kernels at every ladder batch size.
+
+The shapes (`plan_warmup`), for each token count T of the ladder (powers of two from 2 up to the step
+budget, and the budget itself):
+  - a fresh prefill of T tokens;
+  - a chunk of T tokens over a cached context (KDA from a state, MLA with the causal offset);
+  - a mixed step of T tokens: a chunk over a cached context beside one decode of a long context, and
+    beside as many decodes of a short context as the step and the running set allow.
+Decode-only steps at the graph ladder's batch sizes (long and short contexts) are added when no decode
+graphs will be captured (`--enforce-eager`): eager decodes compile on first use too. Contexts stay within
+max_model_len and the pages the pool can lend.
+
+The steps run on pages and running state slots lent by the cache manager's pools and given back in the
+order taken, so the pools are exactly as they were (only the lent rows' contents change, and nothing reads
+a row before writing it: requests start fresh or from a prefix hit). All sequences of a step share the lent
+pages: their values do not matter, their shapes do. Token ids are a fixed arithmetic sequence and nothing is
+sampled, so no random generator advances and every later output is what an engine without the warm-up
+gives.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from hyserve.config import EngineConfig
+from hyserve.engine.cuda_graphs import graph_batch_sizes
+from hyserve.engine.kv_cache import KVCacheManager
+from hyserve.engine.model_runner import ModelRunner
+from hyserve.engine.request import Request
+from hyserve.engine.scheduler import ScheduledSeq, SchedulerOutput
+from hyserve.sampling_params import SamplingParams
+from hyserve.startup import StartupClock
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WarmupStep:
+    query_lens: tuple[int, ...]  # per sequence: tokens computed in the step
+    context_lens: tuple[int, ...]  # per sequence: its length after the step
+    label: str
+    rung: int  # the ladder's token count this step belongs to
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+
+def token_ladder(budget: int) -> list[int]:
+    """2, 4, 8, ... below the budget, then the budget itself."""
+    out, t = [], 2
+    while t < budget:
+        out.append(t)
+        t *= 2
+    return out + [budget] if budget >= 2 else out
+
+
+def _rung(t: int, longest: int, seqs: int, short: int) -> list[WarmupStep]:
+    """The steps of token count t (`longest`: the longest sequence allowed, `seqs`: the most sequences)."""
+    steps = []
+    fresh = [min(longest, t - i) for i in range(0, t, longest)][:seqs]
+    steps.append(WarmupStep(tuple(fresh), tuple(fresh), f"prefill {t}", t))
+    if t < longest:
+        cached = min(t, longest - t)
+        steps.append(WarmupStep((t,), (cached + t,), f"prefill {t} over {cached} cached", t))
+    for d, ctx in ((1, longest), (min(seqs - 1, t // 2), short)):
+        q = t - d
+        if d < 1 or q < 2 or q >= longest:
+            continue
+        cached = min(q, longest - q)
+        label = f"prefill {q} over {cached} cached + {d} decode{'s' * (d > 1)} over {ctx}"
+        steps.append(WarmupStep((q, *[1] * d), (cached + q, *[ctx] * d), label, t))
+    return steps
+
+
+def plan_warmup(cfg: EngineConfig, max_model_len: int, kv: KVCacheManager, decode_graphs: bool) -> list[WarmupStep]:
+    """The steps the warm-up runs for the resolved `cfg`, within what `kv`'s pools can lend now."""
+    longest = min(max_model_len, kv.blocks.num_free * kv.block_size)
+    seqs = min(cfg.max_num_seqs, kv.slots.num_free)
+    if longest < 2 or seqs < 1:
+        return []
+    short = min(longest, kv.block_size + 1)
+    steps = [s for t in token_ladder(cfg.max_num_batched_tokens) for s in _rung(t, longest, seqs, short)]
+    if not decode_graphs:
+        for n in graph_batch_sizes(min(seqs, cfg.max_num_batched_tokens)):
+            steps += [WarmupStep((1,) * n, (ctx,) * n, f"{n} decodes over {ctx}", 0) for ctx in sorted({short, longest})]
+    return steps
+
+
+def _ids(n: int, vocab: int) -> list[int]:
+    return [(7 + 31 * i) % vocab for i in range(n)]
+
+
+def run_warmup(model, kv: KVCacheManager, steps: list[WarmupStep], clock: StartupClock | None = None) -> float:
+    """Run `steps` eagerly, as the engine runs prefill and mixed steps; returns the seconds taken, which
+    `clock` also books as the start-up phase "warm-up"."""
+    try:
+        return _run(model, kv, steps)
+    finally:
+        if clock is not None:
+            clock.lap("warm-up")
+
+
+def _run(model, kv: KVCacheManager, steps: list[WarmupStep]) -> float:
+    if not steps:
+        return 0.0
+    t0, runner, vocab = time.perf_counter(), ModelRunner(model, kv), model.config.vocab_size
+    pages = kv.blocks.allocate(-(-max(max(s.context_lens) for s in steps) // kv.block_size))
+    slots = [kv.slots.allocate() for _ in range(max(len(s.query_lens) for s in steps))]
+    try:
+        for i, step in enumerate(steps):
+            seqs = []
+            for j, (q, n) in enumerate(zip(step.query_lens, step.context_lens)):
+                req = Request(f"warmup-{i}-{j}", _ids(n, vocab), SamplingParams(), max_tokens=1)
+                req.block_ids, req.state_slot = pages[: -(-n // kv.block_size)], slots[j]
+                seqs.append(ScheduledSeq(req, q, n - q, fresh=n == q))
+            runner.execute(SchedulerOutput(seqs))
+            log.debug("warm-up step %d/%d: %s", i + 1, len(steps), step.label)
+            if i + 1 == len(steps) or steps[i + 1].rung != step.rung:
+                if model.device.type == "cuda":
+                    torch.cuda.synchronize(model.device)
+                what = f"{step.rung} tokens" if step.rung else "eager decodes"
+                log.info("warm-up: %s done (%d/%d steps, %.1f s)", what, i + 1, len(steps), time.perf_counter() - t0)
+    finally:
+        kv.blocks.free(pages)
+        for s in reversed(slots):
+            kv.slots.free(s)
+    return time.perf_counter() - t0

@@ -1,0 +1,111 @@
+"""The warm start (hyserve/planning/warmup.py): at engine start the prefill and mixed-step shapes of the
+token-count ladder run through the real forward on lent cache rows; afterwards the pools are as they
+were and every output is what an engine without the warm-up gives."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+from prefix_cache_util import batch
+
+from hyserve import SamplingParams
+from hyserve.planning.warmup import plan_warmup, token_ladder
+
+BUDGET = 64  # a small ladder: 2, 4, ..., 64 tokens
+
+
+@contextlib.contextmanager
+def recorded_forwards(model):
+    """(query_lens, context_lens) of every forward of `model` inside the block."""
+    seen: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    hook = model.register_forward_pre_hook(lambda _m, args: seen.append((tuple(args[1].query_lens),
+                                                                          tuple(args[1].context_lens))))
+    try:
+        yield seen
+    finally:
+        hook.remove()
+
+
+def engine_pair(make_engine, model: str, **kwargs):
+    kwargs.setdefault("max_num_batched_tokens", BUDGET)
+    kwargs.setdefault("max_num_seqs", 8)
+    return make_engine(model, warmup=False, **kwargs), make_engine(model, warmup=True, **kwargs)
+
+
+@pytest.mark.parametrize("model", ["k3-tiny", "k3.1-tiny"])
+def test_outputs_are_identical_with_and_without_the_warmup(make_engine, model):
+    prompts = [[(5 * i + 3 * j) % 200 + 1 for j in range(n)] for i, n in enumerate((3, 40, 90, 17))]
+    results = []
+    for warmup in (False, True):  # one at a time: each engine seeds torch's generator when it is built
+        engine = make_engine(model, warmup=warmup, max_num_batched_tokens=BUDGET, max_num_seqs=8)
+        greedy = batch(engine, prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+        sampled = batch(engine, prompts, SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True))
+        results.append([o.outputs[0].token_ids for o in greedy + sampled])
+    assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("model", ["k3-tiny", "k3.1-tiny"])
+def test_the_pools_are_as_they_were_after_the_warmup(make_engine, model):
+    cold, warm = engine_pair(make_engine, model)
+    warm.kv.check_empty()
+    assert warm.kv.pool_stats == cold.kv.pool_stats
+    # the same pages and slots in the same order: the next requests get exactly what they would have
+    assert list(warm.kv.blocks.free_queue) == list(cold.kv.blocks.free_queue)
+    assert warm.kv.slots.free_slots == cold.kv.slots.free_slots
+    assert warm.kv.prefix_stats == (0, 0) and not warm.kv.prefix.pinned_blocks
+
+
+@pytest.mark.parametrize("model", ["k3-tiny", "k3.1-tiny"])
+def test_the_warmup_runs_exactly_the_planned_ladder_and_shows_its_progress(make_engine, tiny_model, model, caplog):
+    weights, _ = tiny_model(model)
+    cold = make_engine(model, warmup=False, max_num_batched_tokens=BUDGET, max_num_seqs=8)
+    plan = plan_warmup(cold.cfg, cold.max_model_len, cold.kv, decode_graphs=False)
+    with recorded_forwards(weights) as seen, caplog.at_level("INFO", logger="hyserve.planning.warmup"):
+        warm = make_engine(model, warmup=True, max_num_batched_tokens=BUDGET, max_num_seqs=8)
+    assert seen == [(s.query_lens, s.context_lens) for s in plan]
+    assert "warm-up" in warm.startup.phases
+    progress = [r.getMessage() for r in caplog.records if r.name == "hyserve.planning.warmup"]
+    assert len(progress) == len(token_ladder(BUDGET)) + 1  # one line per token count, one for the eager decodes
+    assert progress[-1].startswith(f"warm-up: eager decodes done ({len(plan)}/{len(plan)} steps")
+
+
+def test_the_ladder_covers_every_token_count_with_and_without_decodes_and_cached_context(make_engine):
+    engine = make_engine(warmup=False, max_num_batched_tokens=48, max_num_seqs=8)
+    plan = plan_warmup(engine.cfg, engine.max_model_len, engine.kv, decode_graphs=True)
+    assert token_ladder(48) == [2, 4, 8, 16, 32, 48]
+    for t in token_ladder(48):
+        steps = [s for s in plan if s.rung == t]
+        assert all(s.num_tokens == t for s in steps)
+        assert ((t,), (t,)) in [(s.query_lens, s.context_lens) for s in steps]  # a fresh prefill
+        assert any(len(s.query_lens) == 1 and s.context_lens[0] > t for s in steps)  # over a cached context
+        if t >= 4:  # a chunk of at least two tokens beside decodes, one of them over a long context
+            mixed = [s for s in steps if len(s.query_lens) > 1]
+            assert mixed and all(s.query_lens[0] >= 2 and set(s.query_lens[1:]) == {1} for s in mixed)
+            assert max(s.context_lens[1] for s in mixed) == engine.max_model_len
+            assert max(len(s.query_lens) for s in mixed) == min(8, t // 2 + 1)
+    assert not [s for s in plan if s.rung == 0]  # decode-only steps are left to the graph capture
+
+
+def test_without_decode_graphs_the_ladder_adds_eager_decode_steps(make_engine):
+    engine = make_engine(warmup=False, max_num_batched_tokens=48, max_num_seqs=8)
+    plan = plan_warmup(engine.cfg, engine.max_model_len, engine.kv, decode_graphs=False)
+    decodes = [s for s in plan if s.rung == 0]
+    assert sorted({len(s.query_lens) for s in decodes}) == [1, 2, 4, 8]
+    assert all(set(s.query_lens) == {1} for s in decodes)
+
+
+def test_the_ladder_stays_within_max_model_len_and_the_lendable_pages(make_engine):
+    engine = make_engine(warmup=False, max_num_batched_tokens=64, max_num_seqs=4, max_model_len=40, num_gpu_blocks=2)
+    plan = plan_warmup(engine.cfg, engine.max_model_len, engine.kv, decode_graphs=True)
+    assert plan and max(max(s.context_lens) for s in plan) <= 32  # 2 pages of 16 tokens
+    assert max(len(s.query_lens) for s in plan) <= 4
+    assert [s for s in plan if s.rung == 64][0].query_lens == (32, 32)  # a 64-token prefill over two sequences
+
+
+def test_the_warmup_is_on_by_default_for_cuda_only():
+    from hyserve.config import EngineConfig, resolve_config
+
+    assert resolve_config(EngineConfig(), "cuda:0", "bfloat16").warmup is True
+    assert resolve_config(EngineConfig(), "cpu", "float32").warmup is False
+    assert resolve_config(EngineConfig(warmup=False), "cuda", "bfloat16").warmup is False
