@@ -107,7 +107,10 @@ def allocate(state: ParallelState, key: str, dtype: torch.dtype) -> dict[str, tu
 
 def build_graphs(state: ParallelState, key: str, max_model_len: int, sizes: list[int], max_prev: int | None) -> None:
     eng = _ENGINES[key]
-    eng.graphs = DecodeGraphs(eng.model, eng.cache, max_model_len, sizes, max_prev)
+    graphs = DecodeGraphs(eng.model, eng.cache, max_model_len, sizes, max_prev)
+    # sized from the model's config, which holds a rank's vocab rows; its logits are the whole vocabulary's
+    graphs.logits = graphs.logits.new_zeros(graphs.logits.shape[0], eng.model.full_config.vocab_size)
+    eng.graphs = graphs
 
 
 def capture(state: ParallelState, key: str) -> list[int]:
