@@ -142,8 +142,7 @@ class LLMEngine:
                  compile_cache.describe())
 
     def _runner(self, cuda_graphs: bool) -> ModelRunner:
-        """A parallel engine's ranks hold the model, their caches and graphs; here are the runner and the
-        graph ladder that build their inputs (distributed/executor.py)."""
+        """Under a parallel layout the ranks run the steps this runner builds (distributed/executor.py)."""
         split = isinstance(self.model, RankWorkers)
         graphs = None
         if cuda_graphs:
@@ -340,9 +339,8 @@ class LLMEngine:
         return self._deltas(touched)
 
     def _fail_step(self, touched: set[Request], error: Exception) -> list[_Emitted]:
-        """Fail the step's requests and free their resources; the other requests go on (not when a rank
-        of a parallel engine failed: then the engine stops)."""
-        if isinstance(error, EngineDeadError):
+        """Fail the step's requests and free their resources; the other requests go on."""
+        if isinstance(error, EngineDeadError):  # a rank of a parallel engine failed: the engine stops
             raise error
         log.exception("engine step failed; failing its %d requests", len(touched))
         for req in touched:

@@ -49,10 +49,8 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, pending: PendingTokens | None = None) -> StepLogits:
         """`pending`: where the ids of tokens sampled by the step before but not yet read back are."""
         graph = self.uses_graph(out)
-        if graph:
-            inputs, pending = self._graph_inputs(out.seqs, pending)
-        else:
-            inputs = build_step_inputs(out.seqs, self.kv.block_size, pending, pin=self._pin)
+        inputs, pending = self._graph_inputs(out.seqs, pending) if graph else (
+            build_step_inputs(out.seqs, self.kv.block_size, pending, pin=self._pin), pending)
         prompt_rows = {i: min(s.end, s.req.num_prompt_tokens) - s.start
                        for i, s in enumerate(out.seqs) if _wants_prompt_logits(s)}
         return self.run(inputs, pending.token_ids if inputs.pending else None, prompt_rows, graph)
@@ -71,10 +69,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs, prev: torch.Tensor | None, prompt_rows: dict[int, int], graph: bool) -> StepLogits:
-        """The device half of a step, from its inputs alone (what each rank of a parallel layout runs,
-        distributed/worker.py): `prev` the previous step's ids the inputs' id sources point into,
-        `prompt_rows` the rows of prompt logits of each sequence that asked for them, `graph` whether the
-        inputs are laid out for the decode graphs' static buffers."""
+        """The device half of a step, from its inputs alone (what each rank of a parallel engine runs): `prev`
+        the previous step's ids the id sources point into, `prompt_rows` each prompt-logprobs sequence's rows
+        of prompt logits, `graph` whether the inputs are laid out for the decode graphs' static buffers."""
         if graph:
             logits = self.graphs.run(inputs, prev)
             if len(inputs.sample_rows) < len(inputs.query_lens):  # a 1-token chunk that does not end its prompt
