@@ -51,8 +51,8 @@ class ModelRunner:
         graph = self.uses_graph(out)
         inputs, pending = self._graph_inputs(out.seqs, pending) if graph else (
             build_step_inputs(out.seqs, self.kv.block_size, pending, pin=self._pin), pending)
-        prompt_rows = {i: min(s.end, s.req.num_prompt_tokens) - s.start
-                       for i, s in enumerate(out.seqs) if _wants_prompt_logits(s)}
+        prompt_rows = {} if graph else {i: min(s.end, s.req.num_prompt_tokens) - s.start
+                                        for i, s in enumerate(out.seqs) if _wants_prompt_logits(s)}
         return self.run(inputs, pending.token_ids if inputs.pending else None, prompt_rows, graph)
 
     def _graph_inputs(self, seqs: list[ScheduledSeq], pending: PendingTokens | None) -> tuple[StepInputs, PendingTokens | None]:
