@@ -74,3 +74,16 @@ def test_dcp_holds_w_times_the_context_of_tp_in_the_same_memory(caplog):
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache of rank")]
     assert len(lines) == 4 and "KV cache of rank 1:" in lines[1]
     assert "(DCP2: 1/2 of them stored here)" in lines[3] and "this rank's heads" in lines[3]
+
+
+def test_the_engine_process_cache_refuses_writes_that_would_not_reach_the_ranks():
+    engine = parallel_engine("k3-tiny", 2, block_size=PAGE)
+    try:
+        t = engine.kv.tensors
+        assert t.conv.shape[0] == engine.cache_plan.num_slots and t.pages.device.type == "meta"
+        with pytest.raises(RuntimeError, match="the data lives on the ranks"):
+            t.conv[1] = t.conv[0]
+        t.copy_slots([0], [1])  # queued for every rank's next step
+        assert t.take_ops() == [("copy_slots", [0], [1])] and t.take_ops() == []
+    finally:
+        engine.model.close()

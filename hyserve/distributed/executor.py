@@ -119,11 +119,30 @@ class RankWorkers:
     def make_cache(self, num_blocks: int, block_size: int, num_slots: int, dtype: torch.dtype) -> RankCacheHandle:
         """The ranks allocate their caches (as planned: these are the plan's counts); the handle to them."""
         shapes = self.run(worker.allocate, dtype)[0]
-        meta = {name: torch.empty(shape, dtype=dt, device="meta") for name, (shape, dt) in shapes.items()}
+        meta = {name: torch.empty(shape, dtype=dt, device="meta").as_subclass(OnTheRanks)
+                for name, (shape, dt) in shapes.items()}
         return RankCacheHandle(**meta)
 
     def close(self) -> None:
         self._finalizer()
+
+
+_READABLE = {torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__, torch.Tensor.size,
+             torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.element_size, torch.Tensor.__repr__}
+
+
+class OnTheRanks(torch.Tensor):
+    """A cache tensor of a parallel engine as the engine process holds it (on the meta device): its shape
+    and dtype can be read, and any operation on its data raises, because the data lives on the ranks. Code
+    that writes the cache goes through `CacheTensors.copy_slots` / `copy_blocks`, which every rank applies;
+    a write straight into a tensor would otherwise do nothing, silently."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func not in _READABLE:
+            raise RuntimeError(f"{getattr(func, '__name__', func)} on a cache tensor of a parallel engine in the "
+                               "engine process: the data lives on the ranks (use CacheTensors.copy_slots / copy_blocks)")
+        return super().__torch_function__(func, types, args, kwargs)
 
 
 @dataclass
