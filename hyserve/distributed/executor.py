@@ -75,11 +75,16 @@ class _KernelPlans:
         return "every rank's " + self._table
 
 
+# engines whose ranks a shared pool still holds, released at the pool's next call: a finalizer may run
+# inside another call on the same pool (garbage collection happens anywhere), which must not be re-entered
+_RELEASED: weakref.WeakKeyDictionary[RankPool, list[str]] = weakref.WeakKeyDictionary()
+
+
 def _close(pool: RankPool, key: str, owned: bool) -> None:
     if owned:
         pool.close()
-    elif not pool.broken:
-        pool.run(worker.release, key)
+    else:
+        _RELEASED.setdefault(pool, []).append(key)
 
 
 class RankWorkers:
@@ -104,6 +109,8 @@ class RankWorkers:
     def run(self, fn, *args, timeout_s: float | None = None) -> list:
         """fn(state, key, *args) on every rank (worker.py); a failed rank ends the engine."""
         try:
+            for key in _RELEASED.pop(self.pool, []):
+                self.pool.run(worker.release, key, layout=self.parallel)
             return self.pool.run(fn, self.key, *args, layout=self.parallel, timeout_s=timeout_s)
         except RankFailedError as e:
             raise EngineDeadError(f"a rank of the parallel engine failed, so the engine cannot go on: {e}") from e
