@@ -42,8 +42,8 @@ def _check_load_format(fmt: str) -> None:
 
 def _opt(default, help: str, **cli):
     """A field with its CLI help; `cli` may name the flag (`flag=`), the value that flag takes in field
-    units (`scale=`: --kv-offloading-size is GiB of a byte count), the smallest value (`min=`), `choices=`
-    and `metavar=`."""
+    units (`scale=`: --kv-offloading-size is GiB of a byte count), the smallest value (`min=`), `choices=`,
+    `metavar=` and a short alias (`alias="-tp"`)."""
     return field(default=default, metadata={"help": help, **cli})
 
 
@@ -110,6 +110,14 @@ class EngineConfig:
     warmup: bool | None = _opt(None, "run the prefill and mixed-step shapes of the token-count ladder at start-up, "
                                      "so kernels are compiled and tuned before ready (default: on for CUDA "
                                      "devices)")
+    # parallelism on torch.distributed, one process per rank (docs/parallelism.md)
+    tensor_parallel_size: int = _opt(1, "ranks (one process and one GPU each) the model is split over; on the CPU "
+                                        "the ranks are gloo processes", min=1, alias="-tp")
+    enable_expert_parallel: bool = _opt(False, "split the routed experts over the ranks by expert instead of by width")
+    decode_context_parallel_size: int = _opt(1, "split the MLA latent cache and DSA index keys by token over groups of "
+                                                "this many TP ranks (block-size tokens of each rank's own per page)",
+                                             min=1, alias="-dcp")
+    cp_kv_cache_interleave_size: int = _opt(1, "consecutive tokens a DCP rank owns (a DSA indexer needs 1)", min=1)
     # the server's periodic stats line (hyserve/stats_logger.py)
     disable_log_stats: bool = _opt(False, "no periodic stats line in the server log")
 
@@ -121,10 +129,22 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         _check_load_format(self.load_format)
+        self.parallel_config  # noqa: B018 (validates the layout: ParallelConfigError, a ValueError)
+        if self.tensor_parallel_size > 1 and self.cpu_offload_bytes:
+            raise ValueError("--kv-offloading-size (the prefix cache's CPU tier) is not supported with "
+                             "tensor_parallel_size > 1 yet")
         for f in dataclasses.fields(self):
             value, least = getattr(self, f.name), f.metadata.get("min")
             if least is not None and value is not None and value < least:
                 raise ValueError(f"{f.name} must be at least {least}, got {value}")
+
+    @property
+    def parallel_config(self):
+        """The layout of these fields (hyserve/distributed/config.py), which checks itself."""
+        from hyserve.distributed.config import ParallelConfig
+
+        return ParallelConfig(self.tensor_parallel_size, self.enable_expert_parallel,
+                              self.decode_context_parallel_size, self.cp_kv_cache_interleave_size)
 
     def describe(self) -> str:
         """Every field as name=value, for the start-up log."""

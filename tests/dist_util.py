@@ -5,6 +5,7 @@ chunked prefill, decodes, and a one-token prompt (whose DCP shards are empty on 
 from __future__ import annotations
 
 import atexit
+import time
 
 import torch
 
@@ -75,3 +76,60 @@ def run_steps(model, batch_block: int = PAGE_BLOCK, seed: int = 0) -> tuple[list
         for s, n in step:
             done[s] += n
     return out, cache
+
+
+# ---- engines over a shared pool -------------------------------------------------------------------------
+# Engines of a layout run on the pool of its size: the ranks' processes start once per test run, and each
+# engine's ranks load, plan and allocate on them (a few tenths of a second for the tiny presets).
+
+ENGINE_DEFAULTS = dict(device="cpu", kv_cache_memory_bytes=4 << 20, max_num_seqs=8, load_format="dummy")
+
+
+def parallel_engine(preset: str, world: int = 1, static_decode_buffers: bool = False, **fields):
+    """An LLMEngine of `preset` (token-id prompts, no tokenizer) on `world` ranks of the shared pool, or on
+    one process for world 1."""
+    from hyserve.config import EngineConfig
+    from hyserve.distributed.executor import RankWorkers
+    from hyserve.engine.llm_engine import LLMEngine
+
+    cfg = EngineConfig(model=preset, tensor_parallel_size=world, **{**ENGINE_DEFAULTS, **fields})
+    model = RankWorkers(cfg, "cpu", pool=rank_pool(world)) if world > 1 else None
+    return LLMEngine(cfg, model=model, skip_tokenizer_init=True, static_decode_buffers=static_decode_buffers)
+
+
+class LogitsRecorder:
+    """Records the logits every step of an engine hands its sampler (and the prompt logits), around the
+    engine's own runner."""
+
+    def __init__(self, engine):
+        self.steps: list[torch.Tensor] = []
+        self._execute = engine.runner.execute
+        engine.runner.execute = self
+
+    def __call__(self, out, pending=None):
+        got = self._execute(out, pending)
+        self.steps.append(torch.cat([got.logits.float().cpu(), *(p.float().cpu() for p in got.prompt_logits.values())]))
+        return got
+
+
+def worst_step_error(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
+    assert [g.shape for g in got] == [r.shape for r in ref], "the engines scheduled different steps"
+    return max(rel_err(g, r) for g, r in zip(got, ref) if r.numel())
+
+
+def _gone(pid: int) -> bool:
+    """The process has exited (a zombie counts: whoever reaps it is not ours to wait for)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith("State:") and "zombie" in line.lower() for line in f)
+    except OSError:
+        return True
+
+
+def all_exit(pids: list[int], within_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while not all(map(_gone, pids)):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True

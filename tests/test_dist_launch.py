@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from dist_util import rank_pool
+from dist_util import all_exit, rank_pool
 
 from hyserve import envs
 from hyserve.distributed import ParallelConfig
@@ -119,3 +119,30 @@ def test_the_group_timeout_is_read_from_hyserve_dist_timeout_s():
 def test_a_bad_hyserve_dist_timeout_s_is_an_error_naming_it(value):
     with pytest.raises(ValueError, match="HYSERVE_DIST_TIMEOUT_S"):
         envs.read({"HYSERVE_DIST_TIMEOUT_S": value})
+
+
+_ORPHAN = """
+import sys, time
+from hyserve.distributed import ParallelConfig
+from hyserve.distributed.launch import RankPool
+if __name__ == "__main__":
+    pool = RankPool(ParallelConfig(tensor_parallel_size=2), threads=1)
+    print(*pool.pids, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_workers_leave_when_their_parent_is_killed(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "orphan.py"
+    script.write_text(_ORPHAN)
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
+    pids = [int(p) for p in parent.stdout.readline().split()]
+    assert len(pids) == 2
+    parent.send_signal(signal.SIGKILL)  # no atexit, no close: the workers must notice on their own
+    parent.wait()
+    assert all_exit(pids), "rank workers outlived their killed parent"

@@ -198,6 +198,8 @@ SAMPLES = {
     "async_scheduling": (None, False), "load_format": ("dummy", "dummy"), "disable_log_stats": (None, False),
     "long_prefill_token_threshold": ("512", 512), "prefix_cache_checkpoints_per_session": ("3", 3),
     "warmup": (None, False), "prefix_cache_last_full_page": (None, False),
+    "tensor_parallel_size": ("4", 4), "enable_expert_parallel": (None, False),
+    "decode_context_parallel_size": ("1", 1), "cp_kv_cache_interleave_size": ("2", 2),
 }
 
 
@@ -222,3 +224,23 @@ def test_generate_takes_every_engine_flag_but_the_sampling_seed_and_the_served_n
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
     assert fields - dests == {"served_model_name"}  # model is the positional; seed is the sampling seed
     assert generate_kwargs("--seed", "5") == {}
+
+
+def test_parallel_flags_take_vllms_names_and_short_forms():
+    cfg = serve_config("-tp", "4", "--enable-expert-parallel", "-dcp", "2", "--cp-kv-cache-interleave-size", "1")
+    p = cfg.parallel_config
+    assert (p.tensor_parallel_size, p.expert_parallel_size, p.decode_context_parallel_size) == (4, 4, 2)
+    assert generate_kwargs("--tensor-parallel-size", "2", "--decode-context-parallel-size", "2") == {
+        "tensor_parallel_size": 2, "decode_context_parallel_size": 2}
+
+
+def test_a_layout_that_does_not_divide_is_refused_by_the_config():
+    with pytest.raises(ValueError, match=r"tensor_parallel_size \(4\) must be divisible by decode_context_parallel_size \(3\)"):
+        serve_config("-tp", "4", "-dcp", "3")
+    with pytest.raises(ValueError, match="tensor-parallel-size must be >= 1"):
+        serve_config("-tp", "0")
+
+
+def test_the_cpu_tier_is_refused_under_tensor_parallelism():
+    with pytest.raises(ValueError, match="kv-offloading-size.*not supported with tensor_parallel_size > 1"):
+        serve_config("-tp", "2", "--kv-offloading-size", "1")

@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 
 from hyserve.config import EngineConfig
-from hyserve.engine.engine_client import AsyncEngineClient, EngineDeadError, EngineRequestError
 from hyserve.engine.engine_core import RequestDelta
+from hyserve.entrypoints.engine_client import AsyncEngineClient, EngineDeadError, EngineRequestError
 from hyserve.sampling_params import SamplingParams
 from hyserve.structured.constraint import StructuredSpec
 

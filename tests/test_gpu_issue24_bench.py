@@ -15,7 +15,7 @@ def bench():
 
 
 def test_the_engines_start_up_line_is_parsed_into_phases(bench):
-    line = ("INFO hyserve.engine.engine_client: engine ready 47.3 s after process start (load 30.2 s, cache allocation "
+    line = ("INFO hyserve.entrypoints.engine_client: engine ready 47.3 s after process start (load 30.2 s, cache allocation "
             "1.1 s, warm-up 9.0 s, graph capture 3.0 s, other 4.0 s)")
     assert bench.parse_ready(line) == (47.3, {"load": 30.2, "cache allocation": 1.1, "warm-up": 9.0,
                                               "graph capture": 3.0, "other": 4.0})

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from hyserve.config import EngineConfig
-from hyserve.engine.engine_client import AsyncEngineClient
+from hyserve.entrypoints.engine_client import AsyncEngineClient
 from hyserve.entrypoints.openai.server import engine_config_from_args
 from hyserve.entrypoints.serve import _add_arguments
 from hyserve.stats_logger import LoggingStatLogger

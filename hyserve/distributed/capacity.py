@@ -16,11 +16,11 @@ import torch.distributed as dist
 from hyserve.distributed.comm import Group
 
 
-def agree_on_counts(group: Group, num_blocks: int, num_slots: int) -> tuple[int, int]:
-    """The smallest (pages, state slots) any rank of `group` can hold."""
-    t = torch.tensor([num_blocks, num_slots], dtype=torch.long, device=group.device)
+def agree_on_counts(group: Group, *counts: int) -> tuple[int, ...]:
+    """The smallest of each count (pages, state slots, ...) over the ranks of `group`."""
+    t = torch.tensor(counts, dtype=torch.long, device=group.device)
     group.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t[0]), int(t[1])
+    return tuple(int(c) for c in t.tolist())
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from hyserve.models.config import ModelConfig
+if TYPE_CHECKING:  # EngineConfig builds a ParallelConfig in processes that never import torch (the server)
+    from hyserve.models.config import ModelConfig
 
 
 class ParallelConfigError(ValueError):

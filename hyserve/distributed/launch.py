@@ -29,8 +29,19 @@ class RankFailedError(RuntimeError):
     """A rank of a RankPool failed; the message holds each failed rank's error."""
 
 
+def _next_task(tasks: Any, parent: int) -> Any:
+    """The next task, or None once the pool closes or its process is gone (a SIGKILLed engine cannot
+    close it, and a daemon worker outlives a parent that did not exit normally)."""
+    while True:
+        try:
+            return tasks.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent:
+                return None
+
+
 def _worker(rank: int, config: ParallelConfig, port: int, device: str, timeout_s: float, threads: int,
-            tasks: Any, results: Any) -> None:
+            parent: int, tasks: Any, results: Any) -> None:
     torch.set_num_threads(threads)
     if device == "cuda":  # one GPU per rank
         device = f"cuda:{rank}"
@@ -43,7 +54,7 @@ def _worker(rank: int, config: ParallelConfig, port: int, device: str, timeout_s
         results.put((rank, 0, False, traceback.format_exc()))
         return
     results.put((rank, 0, True, None))
-    while (task := tasks.get()) is not None:
+    while (task := _next_task(tasks, parent)) is not None:
         seq, fn, args, layout = task
         try:
             if layout not in states:  # the same order on every rank: runs are executed by all of them
@@ -59,9 +70,12 @@ class RankPool:
     gives rank r the GPU cuda:r (and NCCL); "cpu" gives gloo."""
 
     def __init__(self, config: ParallelConfig, *, device: str = "cpu", timeout_s: float | None = None,
-                 start_timeout_s: float = 180.0, threads: int | None = None):
+                 start_timeout_s: float = 180.0, threads: int | None = None, grace_s: float | None = None):
+        """`grace_s`: how long a call waits for the other ranks once one failed (default: the group
+        timeout and 5 s, so that every rank's error is reported); then the pool stops them all."""
         timeout_s = default_timeout_s() if timeout_s is None else timeout_s
         self.config, self.timeout_s, self.world = config, timeout_s, config.world_size
+        self.grace_s = timeout_s + 5.0 if grace_s is None else grace_s
         threads = threads or max(1, (os.cpu_count() or 1) // self.world)
         # port 0: the OS picks a free port, so concurrent pools (and test runs) never collide
         self._store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
@@ -70,7 +84,7 @@ class RankPool:
         self._results = ctx.Queue()
         self._procs = [
             ctx.Process(target=_worker, daemon=True, args=(r, config, self._store.port, device, timeout_s, threads,
-                                                           self._tasks[r], self._results))
+                                                           os.getpid(), self._tasks[r], self._results))
             for r in range(self.world)
         ]
         for p in self._procs:
@@ -109,7 +123,7 @@ class RankPool:
                         errors[r] = f"the process exited with code {p.exitcode}"
                 if errors and deadline is None:
                     # peers of a failed rank fail in their next collective, within the group timeout
-                    deadline = now + self.timeout_s + 5.0
+                    deadline = now + self.grace_s
                 continue
             if s != seq:
                 continue
@@ -117,23 +131,31 @@ class RankPool:
                 out[rank] = value
             else:
                 errors[rank] = value
-                deadline = min(deadline or float("inf"), time.monotonic() + self.timeout_s + 5.0)
+                deadline = min(deadline or float("inf"), time.monotonic() + self.grace_s)
         if errors:
-            self.close()
+            self.close(wait_s=0.0)  # ranks still in a collective with a failed one would wait out its timeout
             self.broken = True
             detail = "\n".join(f"--- rank {r}: {msg.strip()}" for r, msg in sorted(errors.items()))
             raise RankFailedError(f"{len(errors)} of {self.world} ranks failed (ranks {sorted(errors)}):\n{detail}")
         return [out[r] for r in range(self.world)]
 
-    def close(self) -> None:
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def close(self, wait_s: float = 5.0) -> None:
+        """Stop the workers: each leaves its loop at once, or is killed after `wait_s`."""
         for q, p in zip(self._tasks, self._procs):
             if p.is_alive():
                 q.put(None)
+        deadline = time.monotonic() + wait_s
         for p in self._procs:
-            p.join(timeout=5)
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        for q in self._tasks:
+            q.cancel_join_thread()  # a killed reader never drains its queue: exiting must not wait for it
         self.broken = True
 
     def __enter__(self) -> RankPool:

@@ -23,6 +23,7 @@ from hyserve.distributed.tp_layers import (
 )
 from hyserve.models.batch import Batch, CacheTensors
 from hyserve.models.config import ModelConfig, with_changes
+from hyserve.models.device_init import materialize
 from hyserve.models.kimi import KimiForCausalLM
 from hyserve.models.layers.moe import glu_of
 from hyserve.ops.kernel_plan import KernelPlan, active
@@ -90,10 +91,7 @@ def build_rank_model(cfg: ModelConfig, ctx: StepContext, device: str | torch.dev
     check_model_splits(cfg, ctx.state.config)
     with torch.device("meta"):
         model = ParallelCausalLM(cfg, ctx)
-    model = model.to_empty(device=device)
-    for name, p in model.named_parameters():
-        p.data = p.data.to(param_dtype(name))
-    return model.eval().requires_grad_(False)
+    return materialize(model, param_dtype, device).eval().requires_grad_(False)
 
 
 def shard_model(model: KimiForCausalLM, ctx: StepContext) -> ParallelCausalLM:

@@ -19,7 +19,7 @@ import torch
 
 from hyserve.engine.block_pool import BlockPool, SlotPool
 from hyserve.engine.offload import CpuTier, unindex
-from hyserve.models.batch import CacheTensors, to_device
+from hyserve.models.batch import CacheTensors
 from hyserve.planning.eviction import eviction_victim
 
 # weight of FLOPs-saved-per-byte against recency in the eviction score (Marconi's alpha)
@@ -155,10 +155,7 @@ class CheckpointStore:
             if tails:
                 self.blocks.free(tails)
         if self._snap:
-            src = to_device([s for s, _ in self._snap], torch.long, dev)  # no stream sync (async scheduling)
-            dst = to_device([c.slot for _, c in self._snap], torch.long, dev)
-            t.conv.index_copy_(0, dst, t.conv.index_select(0, src))
-            t.recurrent.index_copy_(0, dst, t.recurrent.index_select(0, src))
+            t.copy_slots([s for s, _ in self._snap], [c.slot for _, c in self._snap])
             for _, c in self._snap:
                 c.pending = False
             self._snap.clear()

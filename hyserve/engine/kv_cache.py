@@ -62,7 +62,10 @@ class CachePlan:
 def plan_cache(
     cfg: EngineConfig, model: KimiForCausalLM, dtype: torch.dtype, max_model_len: int, scratch: bool = False
 ) -> CachePlan:
-    """`scratch`: set aside one page and one state slot for CUDA-graph padding rows (CachePlan.scratch)."""
+    """`scratch`: set aside one page and one state slot for CUDA-graph padding rows (CachePlan.scratch).
+    A model split over ranks plans on them (distributed/executor.py `RankWorkers.plan_cache`)."""
+    if hasattr(model, "plan_cache"):
+        return model.plan_cache(cfg, dtype, max_model_len, scratch)
     mc = model.config
     extra = int(scratch)
     elem = torch.finfo(dtype).bits // 8

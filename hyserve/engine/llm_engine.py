@@ -16,7 +16,9 @@ import torch
 
 from hyserve import compile_cache
 from hyserve.config import EngineConfig, log_startup, resolve_config
+from hyserve.distributed.executor import RankGraphs, RankRunner, RankWorkers
 from hyserve.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from hyserve.engine.engine_core import EngineDeadError
 from hyserve.engine.kv_cache import KVCacheManager, plan_cache
 from hyserve.engine.model_runner import ModelRunner
 from hyserve.engine.output_processor import CompletionState, ParentRequest, check_stop
@@ -102,6 +104,8 @@ class LLMEngine:
         self.startup = StartupClock()
         device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
         torch.manual_seed(cfg.seed)
+        if model is None and cfg.tensor_parallel_size > 1:  # the ranks load their slices (docs/parallelism.md)
+            model = RankWorkers(cfg, device)
         self.model = model if model is not None else load_model(
             cfg.model, dtype=cfg.dtype, device=device, seed=cfg.seed, load_format=cfg.load_format)
         self.startup.lap("load")
@@ -126,17 +130,10 @@ class LLMEngine:
         self.kv = KVCacheManager(cfg, self.model, self.cache_plan, cache_dtype)
         self.scheduler = Scheduler(cfg, self.kv)
         self.startup.lap("cache allocation")
-        if cfg.warmup:  # kernels compiled and tuned before ready; before the graphs take what memory is left
+        if cfg.warmup and not isinstance(self.model, RankWorkers):  # ranks warm up only on their first steps
+            # kernels compiled and tuned before ready; before the graphs take what memory is left
             run_warmup(self.model, self.kv, plan_warmup(cfg, self.max_model_len, self.kv, cuda_graphs), self.startup)
-        graphs = None
-        if cuda_graphs:
-            # a decode step has at most one token per sequence, so the token budget caps it too
-            max_batch = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
-            # a step samples at most max_batch tokens: the next step reads them from the graphs' buffer
-            graphs = DecodeGraphs(self.model, self.kv, self.max_model_len, graph_batch_sizes(max_batch), max_batch)
-            graphs.capture()  # after the cache is allocated: graphs take what memory is left
-            self.startup.lap("graph capture")
-        self.runner = ModelRunner(self.model, self.kv, graphs)
+        self.runner = self._runner(cuda_graphs)
         self.sampler = Sampler()
         tokenizer_eos = [self.tokenizer.eos_token_id] if self.tokenizer is not None else []
         self.eos_token_ids = list(self.model_config.eos_token_ids) or tokenizer_eos
@@ -148,6 +145,20 @@ class LLMEngine:
         log.info("engine %s; %.1f s after process start; %s",
                  describe_startup(self.startup.elapsed(), self.startup.phases, "engine start"), since_process_start(),
                  compile_cache.describe())
+
+    def _runner(self, cuda_graphs: bool) -> ModelRunner:
+        """Under a parallel layout the ranks run the steps this runner builds (distributed/executor.py)."""
+        split = isinstance(self.model, RankWorkers)
+        graphs = None
+        if cuda_graphs:
+            # a decode step has at most one token per sequence, so the token budget caps it too
+            max_batch = min(self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens)
+            # a step samples at most max_batch tokens: the next step reads them from the graphs' buffer
+            graphs = (RankGraphs if split else DecodeGraphs)(self.model, self.kv, self.max_model_len,
+                                                             graph_batch_sizes(max_batch), max_batch)
+            graphs.capture()  # after the cache is allocated: graphs take what memory is left
+            self.startup.lap("graph capture")
+        return (RankRunner if split else ModelRunner)(self.model, self.kv, graphs)
 
     # ---- requests --------------------------------------------------------------------------------
     def add_request(
@@ -334,6 +345,8 @@ class LLMEngine:
 
     def _fail_step(self, touched: set[Request], error: Exception) -> list[_Emitted]:
         """Fail the step's requests and free their resources; the other requests go on."""
+        if isinstance(error, EngineDeadError):  # a rank of a parallel engine failed: the engine stops
+            raise error
         log.exception("engine step failed; failing its %d requests", len(touched))
         for req in touched:
             if req.is_finished:

@@ -13,7 +13,7 @@ import torch
 from hyserve.engine.cuda_graphs import DecodeGraphs
 from hyserve.engine.kv_cache import KVCacheManager
 from hyserve.engine.scheduler import ScheduledSeq, SchedulerOutput
-from hyserve.engine.step_inputs import Padding, PendingTokens, build_step_inputs
+from hyserve.engine.step_inputs import Padding, PendingTokens, StepInputs, build_step_inputs
 from hyserve.models.batch import to_device
 from hyserve.models.kimi import KimiForCausalLM
 
@@ -48,25 +48,15 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, pending: PendingTokens | None = None) -> StepLogits:
         """`pending`: where the ids of tokens sampled by the step before but not yet read back are."""
-        if self.uses_graph(out):
-            return self._execute_graph(out, pending)
-        inputs = build_step_inputs(out.seqs, self.kv.block_size, pending, pin=self._pin)
-        v = inputs.layout.views(inputs.flat.to(self.device, non_blocking=True))
-        ids = v.input_ids
-        if inputs.pending:
-            ids = torch.cat([pending.token_ids, ids]).index_select(0, v.id_sources)
-        hidden = self.model(ids, v.batch(inputs.query_lens, inputs.context_lens), self.kv.tensors)
-        logits = self.model.compute_logits(hidden[v.logits_indices])
-        cu = [0, *itertools.accumulate(inputs.query_lens)]  # host values: reading cu_seqlens back would sync
-        prompt_logits = {}
-        for i, s in enumerate(out.seqs):
-            if _wants_prompt_logits(s):
-                end = min(s.end, s.req.num_prompt_tokens)
-                prompt_logits[i] = self.model.compute_logits(hidden[cu[i] : cu[i] + end - s.start])
-        return StepLogits(inputs.sample_rows, logits, prompt_logits)
+        graph = self.uses_graph(out)
+        inputs, pending = self._graph_inputs(out.seqs, pending) if graph else (
+            build_step_inputs(out.seqs, self.kv.block_size, pending, pin=self._pin), pending)
+        prompt_rows = {} if graph else {i: min(s.end, s.req.num_prompt_tokens) - s.start
+                                        for i, s in enumerate(out.seqs) if _wants_prompt_logits(s)}
+        return self.run(inputs, pending.token_ids if inputs.pending else None, prompt_rows, graph)
 
-    def _execute_graph(self, out: SchedulerOutput, pending: PendingTokens | None) -> StepLogits:
-        graphs, seqs, kv = self.graphs, out.seqs, self.kv
+    def _graph_inputs(self, seqs: list[ScheduledSeq], pending: PendingTokens | None) -> tuple[StepInputs, PendingTokens | None]:
+        graphs, kv = self.graphs, self.kv
         if pending is not None and pending.token_ids.numel() > graphs.max_prev:
             pending = pending.only([s.req for s in seqs])  # more sampled rows than the buffer holds
         longest = max(len(s.req.block_ids) for s in seqs)
@@ -75,7 +65,24 @@ class ModelRunner:
             seqs, kv.block_size, pending, pad=Padding(size, kv.scratch_block, kv.scratch_slot),
             width=graphs.table_width(size, longest), prev_len=graphs.max_prev, sampled=False, pin=self._pin,
         )
-        logits = graphs.run(inputs, pending.token_ids if inputs.pending else None)
-        if len(inputs.sample_rows) < len(seqs):  # a one-token prefill chunk that does not reach the prompt's end
-            logits = logits[to_device(inputs.sample_rows, torch.long, self.device)]
-        return StepLogits(inputs.sample_rows, logits, {})
+        return inputs, pending
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs, prev: torch.Tensor | None, prompt_rows: dict[int, int], graph: bool) -> StepLogits:
+        """The device half of a step, from its inputs alone (what each rank of a parallel engine runs): `prev`
+        the previous step's ids the id sources point into, `prompt_rows` each prompt-logprobs sequence's rows
+        of prompt logits, `graph` whether the inputs are laid out for the decode graphs' static buffers."""
+        if graph:
+            logits = self.graphs.run(inputs, prev)
+            if len(inputs.sample_rows) < len(inputs.query_lens):  # a 1-token chunk that does not end its prompt
+                logits = logits[to_device(inputs.sample_rows, torch.long, self.device)]
+            return StepLogits(inputs.sample_rows, logits, {})
+        v = inputs.layout.views(inputs.flat.to(self.device, non_blocking=True))
+        ids = v.input_ids
+        if inputs.pending:
+            ids = torch.cat([prev, ids]).index_select(0, v.id_sources)
+        hidden = self.model(ids, v.batch(inputs.query_lens, inputs.context_lens), self.kv.tensors)
+        logits = self.model.compute_logits(hidden[v.logits_indices])
+        cu = [0, *itertools.accumulate(inputs.query_lens)]  # host values: reading cu_seqlens back would sync
+        prompt_logits = {i: self.model.compute_logits(hidden[cu[i] : cu[i] + n]) for i, n in prompt_rows.items()}
+        return StepLogits(inputs.sample_rows, logits, prompt_logits)

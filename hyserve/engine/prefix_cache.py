@@ -177,7 +177,7 @@ class PrefixCache(NoPrefixCache):
         self.end_of_generation = cfg.prefix_cache_end_of_generation
         self.cost = prefill_cost(model_config)
         # every per-block tensor: a block id covers the MLA rows and, with a DSA indexer, the index keys
-        self.rows = [tensors.pages] if tensors.index_keys is None else [tensors.pages, tensors.index_keys]
+        self.rows = tensors.block_tensors
         self.cpu = CpuTier(cfg.cpu_offload_bytes, tensors) if cfg.cpu_offload_bytes > 0 else None
         self.last_full_page = cfg.prefix_cache_last_full_page
         self._chains: dict[Request, _Chain] = (chains := {})  # the lambda below holds this, not self: no cycle
@@ -270,17 +270,15 @@ class PrefixCache(NoPrefixCache):
                 pool.set_hash(b, h)
         if hit.external:
             conv, rec, tail = self.cpu.read_checkpoint(ck)
-            tail = [row.to(dev) for row in tail] if has_tail else None
-        else:
+            t.conv[slot], t.recurrent[slot] = conv.to(dev), rec.to(dev)
+            for pt, row in zip(self.rows, tail if has_tail else ()):
+                pt[new[-1]] = row.to(dev)
+        else:  # through the cache tensors' copies, which every rank of a parallel layout applies
             self.checkpoints.used(ck)
-            conv, rec = t.conv[ck.slot], t.recurrent[ck.slot]
-            tail = [pt[ck.tail_block] for pt in self.rows] if has_tail else None
-        t.conv[slot], t.recurrent[slot] = conv.to(dev), rec.to(dev)
-        if has_tail:
-            for pt, row in zip(self.rows, tail):
-                pt[new[-1]] = row
-            ids.append(new[-1])
-        return ids
+            t.copy_slots([ck.slot], [slot])
+            if has_tail:
+                t.copy_blocks([ck.tail_block], [new[-1]])
+        return ids + [new[-1]] if has_tail else ids
 
     def start(self, req: Request, hit: PrefixHit) -> None:
         chain, tokens, p = self._chains[req], req.all_token_ids, hit.num_tokens

@@ -43,7 +43,7 @@ def add_engine_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup,
         else:
             kw.update(type=float if meta.get("scale") else kind, metavar=meta.get("metavar"),
                       choices=meta.get("choices"))
-        p.add_argument(flag, **kw)
+        p.add_argument(*([meta["alias"]] if "alias" in meta else []), flag, **kw)
 
 
 def engine_kwargs_from_args(args: argparse.Namespace, exclude: frozenset[str] | set[str] = frozenset()) -> dict:

@@ -52,6 +52,25 @@ class CacheTensors:
     def block_size(self) -> int:
         return self.pages.shape[2]
 
+    @property
+    def block_tensors(self) -> list[torch.Tensor]:
+        """Every tensor a block id indexes: the MLA rows and, with a DSA indexer, the index keys."""
+        return [self.pages] if self.index_keys is None else [self.pages, self.index_keys]
+
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        """State slot dst[i] becomes a copy of slot src[i] (conv tail and recurrent matrix), without a
+        stream sync. The cache manager's copies go through here and `copy_blocks`, so that under a
+        parallel layout they can be applied by every rank to its own tensors (distributed/executor.py)."""
+        s, d = (to_device(x, torch.long, self.conv.device) for x in (src, dst))
+        self.conv.index_copy_(0, d, self.conv.index_select(0, s))
+        self.recurrent.index_copy_(0, d, self.recurrent.index_select(0, s))
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Block dst[i] becomes a copy of block src[i] in every per-block tensor."""
+        s, d = (to_device(x, torch.long, self.pages.device) for x in (src, dst))
+        for t in self.block_tensors:
+            t.index_copy_(0, d, t.index_select(0, s))
+
 
 @dataclass
 class Batch:

@@ -25,7 +25,8 @@ from hyserve.models.weight_files import iter_tensors, safetensor_files
 log = logging.getLogger(__name__)
 
 __all__ = ["LOAD_FORMATS", "CheckpointError", "build_model", "dequant_mxfp4", "iter_checkpoint", "load_model",
-           "load_tensors", "load_weights", "random_init", "resolve_dtype", "resolve_load_format"]
+           "load_tensors", "load_weights", "random_fill", "random_init", "read_model_config", "resolve_dtype",
+           "resolve_load_format"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "fp32": torch.float32, "bf16": torch.bfloat16, "auto": None}
@@ -62,24 +63,30 @@ def random_init(model: KimiForCausalLM, seed: int = 0, std: float = 0.02) -> Non
     """Deterministic random weights: normal(0, std) for matrices, ones for norms, small gate params."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     for name, p in model.named_parameters():
-        if name.endswith(("norm.weight", "o_norm_weight", "res.norm", "attn_res.norm")) or "layernorm" in name:
-            p.data.fill_(1.0)
-        elif name.endswith("norm.bias"):  # the indexer's k_norm LayerNorm
-            p.data.zero_()
-        elif name.endswith("A_log"):
-            p.data.copy_(torch.log(torch.empty(p.shape).uniform_(1, 16, generator=gen)))
-        elif name.endswith("dt_bias"):
-            p.data.copy_(torch.empty(p.shape).uniform_(-1.0, 1.0, generator=gen))
-        elif name.endswith("conv_weight"):
-            p.data.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-        elif name.endswith("e_score_correction_bias"):
-            p.data.copy_(torch.randn(p.shape, generator=gen) * 0.01)
-        else:
-            # row-chunked so a 48B model never needs a second full-size fp32 copy
-            flat = p.data.view(p.shape[0], -1) if p.dim() > 1 else p.data.view(1, -1)
-            for r in range(0, flat.shape[0], 4096):
-                chunk = torch.randn(flat[r : r + 4096].shape, generator=gen) * std
-                flat[r : r + 4096].copy_(chunk)
+        random_fill(name, p.data, gen, std)
+
+
+def random_fill(name: str, data: torch.Tensor, gen: torch.Generator, std: float = 0.02) -> None:
+    """Parameter `name`'s random values drawn from the CPU generator `gen` into `data`: the same numbers
+    for the same sequence of names and shapes, whatever `data`'s dtype and device."""
+    if name.endswith(("norm.weight", "o_norm_weight", "res.norm", "attn_res.norm")) or "layernorm" in name:
+        data.fill_(1.0)
+    elif name.endswith("norm.bias"):  # the indexer's k_norm LayerNorm
+        data.zero_()
+    elif name.endswith("A_log"):
+        data.copy_(torch.log(torch.empty(data.shape).uniform_(1, 16, generator=gen)))
+    elif name.endswith("dt_bias"):
+        data.copy_(torch.empty(data.shape).uniform_(-1.0, 1.0, generator=gen))
+    elif name.endswith("conv_weight"):
+        data.copy_(torch.randn(data.shape, generator=gen) * 0.3)
+    elif name.endswith("e_score_correction_bias"):
+        data.copy_(torch.randn(data.shape, generator=gen) * 0.01)
+    else:
+        # row-chunked so a 48B model never needs a second full-size fp32 copy
+        flat = data.view(data.shape[0], -1) if data.dim() > 1 else data.view(1, -1)
+        for r in range(0, flat.shape[0], 4096):
+            chunk = torch.randn(flat[r : r + 4096].shape, generator=gen) * std
+            flat[r : r + 4096].copy_(chunk)
 
 
 def resolve_load_format(name_or_path: str, load_format: str = "auto") -> str:
@@ -98,25 +105,38 @@ def resolve_load_format(name_or_path: str, load_format: str = "auto") -> str:
     return "safetensors" if load_format == "auto" else load_format
 
 
+def read_model_config(name_or_path: str, load_format: str = "auto") -> ModelConfig:
+    """The ModelConfig of a preset or a model directory (nothing else read); errors as `load_model`'s."""
+    resolve_load_format(name_or_path, load_format)
+    return parse_config(preset_config(name_or_path)) if name_or_path in PRESETS else load_config(name_or_path)[0]
+
+
 def load_model(
     name_or_path: str, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu", seed: int = 0,
-    index_key_format: str | None = None, load_format: str = "auto",
+    index_key_format: str | None = None, load_format: str = "auto", parallel=None,
 ) -> KimiForCausalLM:
     """A preset name or an HF-format directory (config.json + safetensors) read with `load_format`.
 
     `index_key_format` overrides how DSA index keys are cached: "fp8" (default), "mxfp4", or "raw"
     (unquantised, the exact R0 reference of docs/ARCHITECTURE.md §4.4). The model's `load_report` says what loading cost.
+    `parallel` (a rank's `distributed.context.StepContext`): that rank's model, each checkpoint tensor read as
+    its slice, random weights drawn as the single-device model's and cut (distributed/rank_loader.py).
     """
     fmt = resolve_load_format(name_or_path, load_format)
-    cfg = parse_config(preset_config(name_or_path)) if name_or_path in PRESETS else load_config(name_or_path)[0]
-    cfg = _with_index_format(cfg, index_key_format)
+    cfg = _with_index_format(read_model_config(name_or_path), index_key_format)
     files = [] if fmt == "dummy" else safetensor_files(name_or_path)
-    model = build_model(cfg, resolve_dtype(dtype, cfg), device)
+    dt = resolve_dtype(dtype, cfg)
+    if parallel is None:
+        model = build_model(cfg, dt, device)
+    else:
+        from hyserve.distributed.model import build_rank_model
+
+        model = build_rank_model(cfg, parallel, device, lambda name: torch.float32 if name.endswith(_FP32_PARAMS) else dt)
     with LoadMeter(model, fmt, [os.path.getsize(f) for f in files]) as meter:
         if fmt == "dummy":
             _random_weights(model, seed)
         else:
-            load_tensors(model, iter_tensors(files, fmt, model.device))
+            load_tensors(model, iter_tensors(files, fmt, model.device, slices=parallel is not None))
     if model.device.type == "cuda":
         torch.cuda.empty_cache()  # conversion temporaries: the cache planner sizes the pool from free memory
     model.name_or_path = name_or_path
@@ -126,6 +146,10 @@ def load_model(
 
 
 def _random_weights(model: KimiForCausalLM, seed: int) -> None:
+    if hasattr(model, "full_config"):  # a rank's model
+        from hyserve.distributed.rank_loader import random_rank_weights
+
+        return random_rank_weights(model, seed)
     if model.device.type == "cuda" and sum(p.numel() for p in model.parameters()) > DEVICE_DRAW_PARAMS:
         from hyserve.models.device_init import random_init_on_device
 
@@ -150,7 +174,12 @@ def load_weights(model: KimiForCausalLM, path: str, load_format: str = "safetens
 def load_tensors(model: KimiForCausalLM, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Checkpoint-named tensors (HF names, e.g. a transformers model's `state_dict().items()`) into the
     model's parameters, as from a checkpoint directory; raises CheckpointError on missing or extra ones."""
-    asm = WeightAssembler(model)
+    if hasattr(model, "full_config"):  # a rank's model: each tensor read as its slice
+        from hyserve.distributed.rank_loader import RankWeightAssembler
+
+        asm = RankWeightAssembler(model)
+    else:
+        asm = WeightAssembler(model)
     transform = getattr(model, "transform_checkpoint", None)  # architecture-specific (DeepSeek V3.2 FP8, rope)
     with torch.no_grad():
         for key, t in transform(tensors) if transform else tensors:

@@ -6,6 +6,7 @@ halves of an MXFP4 expert matrix (codes and scales) wait for each other."""
 from __future__ import annotations
 
 import logging
+import math
 import re
 from collections import defaultdict
 
@@ -55,14 +56,19 @@ class WeightAssembler:
             self.unexpected.append(name)
             return
         p = self.params[name]
+        self._copy(name, p.data, self.conform(name, t, tuple(p.shape)))
+        self.loaded.add(name)
+
+    def conform(self, name: str, t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """A checkpoint tensor in the layout of parameter `name` of `shape` (padded A_log cut to the heads,
+        flat vectors and conv taps reshaped)."""
         if name.endswith("A_log"):
             t = self._a_log(name, t)
-        if name.endswith(("dt_bias", "proj.weight")) and t.dim() == 1 and p.dim() == 2:
-            t = t.view_as(p)
-        if tuple(t.shape) != tuple(p.shape) and t.numel() == p.numel() and name.endswith(("dt_bias", "conv_weight")):
-            t = t.reshape(p.shape)
-        self._copy(name, p.data, t)
-        self.loaded.add(name)
+        if name.endswith(("dt_bias", "proj.weight")) and t.dim() == 1 and len(shape) == 2:
+            t = t.view(shape)
+        if tuple(t.shape) != shape and t.numel() == math.prod(shape) and name.endswith(("dt_bias", "conv_weight")):
+            t = t.reshape(shape)
+        return t
 
     @staticmethod
     def _copy(name: str, dst: torch.Tensor, t: torch.Tensor) -> None:
@@ -108,11 +114,11 @@ class WeightAssembler:
         rest = re.sub(r"^(self_attention_res|mlp_res)_(norm|proj)\.weight$", r"\1.\2", rest)
         rest = rest.replace("self_attn.forget_gate.", "self_attn.")
         rest = rest.replace("self_attn.o_norm.weight", "self_attn.o_norm_weight")
-        if rest == "self_attn.conv1d.weight":
-            return self.put(base + "self_attn.conv_weight", t.reshape(t.shape[0], -1))
+        if rest == "self_attn.conv1d.weight":  # [3P, 1, W] or [3P, W]: conform reshapes it
+            return self.put(base + "self_attn.conv_weight", t)
         conv = re.match(r"self_attn\.([qkv])_conv1d\.weight$", rest)
         if conv:
-            return self._conv_part(base + "self_attn.conv_weight", conv.group(1), t.reshape(t.shape[0], -1))
+            return self._conv_part(base + "self_attn.conv_weight", conv.group(1), t)
         if rest == "block_sparse_moe.experts.gate_up_proj":
             return self.put(base + "block_sparse_moe.w13", t)
         if rest == "block_sparse_moe.experts.down_proj":
@@ -128,12 +134,17 @@ class WeightAssembler:
         if name not in self.params:
             self.unexpected.append(name.replace("conv_weight", f"{part}_conv1d.weight"))
             return
-        p = self.cfg.kda_proj_dim
+        rows = self.params[name].shape[0] // 3  # P (a rank's P / TP)
         j = "qkv".index(part)
-        self._copy(f"{name} ({part})", self.params[name].data[j * p : (j + 1) * p], t)
+        self._copy(f"{name} ({part})", self.params[name].data[j * rows : (j + 1) * rows], t.reshape(t.shape[0], -1))
         self.parts[name].add(part)
 
     def _expert(self, base: str, e: int, w: str, kind: str, t: torch.Tensor) -> None:
+        row = self.expert_row(e)
+        if row is None:  # another rank's expert (distributed/rank_loader.py): not read here
+            self.parts[base + "experts"].add((e, w))
+            return
+        t = self.expert_part(w, kind, t)
         if kind != "weight":
             half = self.halves.setdefault((base, e, w), {})
             half[kind] = t
@@ -147,9 +158,18 @@ class WeightAssembler:
             return
         w13 = self.params[base + "w13"].data
         inter = w13.shape[1] // 2
-        dst = {"w1": w13[e, :inter], "w3": w13[e, inter:], "w2": self.params[base + "w2"].data[e]}[w]
+        dst = {"w1": w13[row, :inter], "w3": w13[row, inter:], "w2": self.params[base + "w2"].data[row]}[w]
         self._copy(name, dst, t)
         self.parts[base + "experts"].add((e, w))
+
+    def expert_row(self, e: int) -> int | None:
+        """Where expert e sits in the stacked w13 / w2, None when this model does not hold it."""
+        return e
+
+    def expert_part(self, w: str, kind: str, t: torch.Tensor) -> torch.Tensor:
+        """The part of an expert's checkpoint tensor (w1, w2 or w3; weight, weight_packed or weight_scale)
+        this model holds: all of it."""
+        return t
 
     # ---- the end ----------------------------------------------------------------------------------
     def finish(self) -> None:

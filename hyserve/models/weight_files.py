@@ -32,28 +32,30 @@ def safetensor_files(path: str) -> list[str]:
     return [os.path.join(path, f) for f in files]
 
 
-def iter_tensors(files: list[str], load_format: str = "safetensors",
-                 device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+def iter_tensors(files: list[str], load_format: str = "safetensors", device: str | torch.device = "cpu",
+                 slices: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(checkpoint name, tensor) for every tensor of every file, shard by shard, with vLLM's progress bar
     on stderr when there is more than one shard. fastsafetensors tensors are on `device`, the others on
-    the host (the loader copies each into its parameter)."""
+    the host (the loader copies each into its parameter). `slices`: safetensors hands out each tensor as
+    a `get_slice` handle, valid until the next one, from which a rank reads only its part (fastsafetensors
+    has read the shard already and hands out tensors)."""
     from tqdm import tqdm
 
     read = _fastsafetensors_file if load_format == "fastsafetensors" else _safetensors_file
     bar = tqdm(files, desc="Loading safetensors checkpoint shards", disable=len(files) <= 1, dynamic_ncols=True)
     for file in bar:
-        yield from read(file, device)
+        yield from read(file, device, slices)
 
 
-def _safetensors_file(file: str, device) -> Iterator[tuple[str, torch.Tensor]]:
+def _safetensors_file(file: str, device, slices: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     with safe_open(file, framework="pt") as f:
         for key in f.keys():
-            yield key, f.get_tensor(key)
+            yield key, f.get_slice(key) if slices else f.get_tensor(key)
 
 
-def _fastsafetensors_file(file: str, device) -> Iterator[tuple[str, torch.Tensor]]:
+def _fastsafetensors_file(file: str, device, slices: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     try:
         from fastsafetensors import fastsafe_open
     except ImportError as e:

@@ -26,10 +26,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 import hyserve
 from hyserve import envs
 from hyserve.config import DEFAULT_MODEL, EMBEDDED_MODEL_DIR, EMBEDDED_MODEL_NAME, EngineConfig
-from hyserve.engine.engine_client import AsyncEngineClient
 from hyserve.entrypoints.anthropic.serving_messages import messages_router
 from hyserve.entrypoints.chat import get_chat_encoder
 from hyserve.entrypoints.engine_args import engine_kwargs_from_args
+from hyserve.entrypoints.engine_client import AsyncEngineClient
 from hyserve.entrypoints.openai import api_docs
 from hyserve.entrypoints.openai.errors import install_error_handlers
 from hyserve.entrypoints.openai.middleware import RequestIdAndAuth

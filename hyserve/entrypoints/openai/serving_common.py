@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import Request
 from pydantic_core import PydanticCustomError
 
-from hyserve.engine.engine_client import AsyncEngineClient, EngineDeadError, EngineRequestError, RequestStream
+from hyserve.entrypoints.engine_client import AsyncEngineClient, EngineDeadError, EngineRequestError, RequestStream
 from hyserve.entrypoints.openai.limits import check_field
 from hyserve.entrypoints.openai.protocol import APIError, SamplingRequest
 from hyserve.sampling_params import SamplingParams

@@ -14,6 +14,7 @@ which the server uses to exit so that a supervisor restarts it (vLLM's behaviour
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -33,7 +34,7 @@ from hyserve.engine.engine_core import (
     RequestDelta,
     engine_main,
 )
-from hyserve.engine.request_stream import RequestStream
+from hyserve.entrypoints.request_stream import RequestStream
 from hyserve.sampling_params import SamplingParams
 from hyserve.startup import describe_startup, since_process_start
 from hyserve.stats_logger import LoggingStatLogger
@@ -69,9 +70,13 @@ class AsyncEngineClient:
     async def start(self, timeout: float = 600.0) -> None:
         ctx = mp.get_context("spawn")
         self._in_q, self._out_q = ctx.Queue(), ctx.Queue()
+        # a daemonic process may not start processes, and a parallel engine starts its ranks: it is stopped at exit
+        split = self.cfg.tensor_parallel_size > 1
         self._proc = ctx.Process(target=engine_main, args=(self.cfg, self._in_q, self._out_q),
-                                 name="hyserve-engine", daemon=True)
+                                 name="hyserve-engine", daemon=not split)
         self._proc.start()
+        if split:
+            atexit.register(lambda p=self._proc: p.is_alive() and p.terminate())
         self._loop = asyncio.get_running_loop()
         msg = await self._loop.run_in_executor(None, self._wait_ready, timeout)
         if msg[0] != "ready":

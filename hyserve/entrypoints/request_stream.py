@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from hyserve.engine.engine_core import EngineRequestError, RequestDelta
 
 if TYPE_CHECKING:
-    from hyserve.engine.engine_client import AsyncEngineClient
+    from hyserve.entrypoints.engine_client import AsyncEngineClient
 
 
 class RequestStream:
