@@ -80,3 +80,14 @@ def test_agentic_replay_sees_prefix_hits_in_metrics_and_usage(server, tmp_path, 
     assert res["prefix_hit_rate_observed_metrics"] > 0
     assert res["prefix_hit_rate_observed_usage"] > 0
     assert 0 < res["prefix_hit_rate_theoretical"] <= 1
+
+
+def test_a_benchmark_server_keeps_the_callers_python_path_after_this_checkout(monkeypatch):
+    import os
+
+    from hyserve.bench.live import ROOT, server_environ
+
+    monkeypatch.setenv("PYTHONPATH", "/opt/wheels")  # packages installed with `pip --target` live there
+    env = server_environ("cuda", {"HYSERVE_CACHE_ROOT": "/tmp/c"})
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(ROOT), "/opt/wheels"]
+    assert env["HYSERVE_CACHE_ROOT"] == "/tmp/c"

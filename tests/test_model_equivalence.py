@@ -232,3 +232,15 @@ def test_mla_absorbed_decode_equals_expanded_form():
         q_nope, q_rope, pages, 1, table[None], torch.tensor([ctx]), kv_b, rank, dv, scale
     )
     assert rel_err(got, want) < 1e-5
+
+
+def test_mla_expanded_in_query_chunks_equals_one_pass(monkeypatch):
+    gen = torch.Generator().manual_seed(7)
+    h, dn, dr, dv, rank, ctx, nq = 4, 16, 8, 12, 24, 40, 29
+    rows = torch.randn(ctx, rank + dr, generator=gen)
+    kv_b = torch.randn(h * (dn + dv), rank, generator=gen) * 0.2
+    q_nope, q_rope = torch.randn(nq, h, dn, generator=gen), torch.randn(nq, h, dr, generator=gen)
+    want = mla_ops.mla_expanded(q_nope, q_rope, rows, kv_b, rank, dv, 0.2, start=ctx - nq)
+    monkeypatch.setattr(mla_ops, "SCORES_BYTES", 4 * h * ctx * 6)  # chunks of 6 queries, the last one short
+    got = mla_ops.mla_expanded(q_nope, q_rope, rows, kv_b, rank, dv, 0.2, start=ctx - nq)
+    assert got.shape == want.shape and rel_err(got, want) < 1e-6

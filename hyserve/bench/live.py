@@ -33,6 +33,14 @@ def engine_pid(server: subprocess.Popen) -> int:
     raise LookupError("the server has no engine process")
 
 
+def server_environ(device: str, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The server's environment: this process's, with this checkout first on PYTHONPATH and the caller's
+    path after it (packages installed with `pip --target` live there), and `extra`."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    threads = {"OMP_NUM_THREADS": "1"} if device == "cpu" else {}  # tiny CPU matmuls: threads only cost
+    return envs.child_environ(PYTHONPATH=path, **threads, **(extra or {}))
+
+
 @contextmanager
 def serve_subprocess(*flags: str, model: str = "k3-tiny", timeout: float = 180.0,
                      env: dict[str, str] | None = None, device: str = "cpu",
@@ -41,9 +49,7 @@ def serve_subprocess(*flags: str, model: str = "k3-tiny", timeout: float = 180.0
     `env`: extra environment variables for the server (which runs this checkout's code on `device`);
     `log_path`: keep the server's output there (by default a temporary file, removed after)."""
     port = free_port()
-    # tiny matmuls: threads only cost
-    threads = {"OMP_NUM_THREADS": "1"} if device == "cpu" else {}  # tiny CPU matmuls: threads only cost
-    env = envs.child_environ(PYTHONPATH=str(ROOT), **threads, **(env or {}))
+    env = server_environ(device, env)
     cmd = [sys.executable, "-m", "hyserve.entrypoints.serve", model, "--host", "127.0.0.1",
            "--port", str(port), "--device", device, *flags]
     if log_path:

@@ -16,21 +16,35 @@ def gather_rows(pages: torch.Tensor, layer: int, block_table: torch.Tensor, n: i
     return pages[block_table[pos // bs], layer, pos % bs]
 
 
+# fp32 scores of one query chunk at most: a chunk of thousands of queries over a long context would
+# otherwise ask for gigabytes beside a cache already sized to the rest of the device
+SCORES_BYTES = 1 << 27
+
+
 def mla_expanded(
     q_nope: torch.Tensor, q_rope: torch.Tensor, rows: torch.Tensor, kv_b: torch.Tensor,
     kv_lora_rank: int, v_head_dim: int, scale: float, start: int,
 ) -> torch.Tensor:
     """One sequence. q_* [q, H, d]; rows [ctx, row]; query j sits at position start + j.
 
-    Returns o [q, H, v_head_dim] in fp32.
+    Returns o [q, H, v_head_dim] in fp32. Queries go in chunks whose scores fit SCORES_BYTES; each
+    query's softmax is its own, so the chunks give what one pass would.
     """
     nq, h, dn = q_nope.shape
     c, k_r = rows[:, :kv_lora_rank].float(), rows[:, kv_lora_rank:].float()
     kv = (c @ kv_b.float().t()).view(-1, h, dn + v_head_dim)
     k_n, v = kv[..., :dn], kv[..., dn:]
+    step = max(1, SCORES_BYTES // (4 * h * rows.shape[0]))
+    if nq <= step:
+        return _attend(q_nope, q_rope, k_n, k_r, v, scale, start)
+    return torch.cat([_attend(q_nope[i:i + step], q_rope[i:i + step], k_n, k_r, v, scale, start + i)
+                      for i in range(0, nq, step)])
+
+
+def _attend(q_nope, q_rope, k_n, k_r, v, scale: float, start: int) -> torch.Tensor:
     scores = torch.einsum("qhd,shd->hqs", q_nope.float(), k_n) + torch.einsum("qhd,sd->hqs", q_rope.float(), k_r)
-    qpos = start + torch.arange(nq, device=rows.device)
-    mask = torch.arange(rows.shape[0], device=rows.device)[None, :] > qpos[:, None]
+    qpos = start + torch.arange(q_nope.shape[0], device=k_n.device)
+    mask = torch.arange(k_n.shape[0], device=k_n.device)[None, :] > qpos[:, None]
     p = torch.softmax((scores * scale).masked_fill(mask, float("-inf")), -1)
     return torch.einsum("hqs,shd->qhd", p, v)
 
