@@ -1,7 +1,7 @@
 # ruff: noqa: B023  (timing lambdas run inside the loop that binds them)
 """Shared pieces of the GPU benchmarks: ceilings measured in the same run, timing, a filled cache, and the
-markdown report (appended to docs/BENCHMARKS.md and copied to $OUT when set). Models come from the product
-loader (`load_model`, as `LLM(...)` and `hyserve serve` build them), engines from `LLM(...)`."""
+markdown report (filed under "Current results" in docs/BENCHMARKS.md, appended to $OUT when set). Models come
+from the product loader (`load_model`, as `LLM(...)` and `hyserve serve` build them), engines from `LLM(...)`."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import torch
+from results_doc import add_section
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -122,7 +123,9 @@ def report(title: str, command: str, table: list[str], notes: list[str], out_nam
     text = "\n".join([f"\n## {title} ({date})", "", f"Machine: {machine()}. Command: `{command}`.", "", *table,
                       "", *notes, ""])
     print(text)
-    for target in [ROOT / "docs" / "BENCHMARKS.md"] + ([Path(os.environ["OUT"]) / out_name] if os.environ.get("OUT") else []):
+    add_section(ROOT / "docs" / "BENCHMARKS.md", text)
+    if os.environ.get("OUT"):
+        target = Path(os.environ["OUT"]) / out_name
         target.parent.mkdir(parents=True, exist_ok=True)
         with open(target, "a") as fh:
             fh.write(text)

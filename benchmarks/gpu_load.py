@@ -14,7 +14,7 @@ Modes, each in a fresh process (so every number is that process's own):
          where the package is installed): load time and GB/s, peak host memory while loading against the
          bound (1.5x the largest shard + 2 GiB), device memory against the weight bytes, start-up split;
   dummy  `LLM("kimi-linear-48b-a3b", load_format="dummy")` at full depth until ready.
-The table is appended to docs/BENCHMARKS.md (and $OUT/gpu_load.md when $OUT is set); --no-append prints it
+The table is filed in docs/BENCHMARKS.md (newest first) (and $OUT/gpu_load.md when $OUT is set); --no-append prints it
 only. Progress lines carry the seconds since the start. The directory is removed at the end unless --keep.
 """
 

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from results_doc import add_section
 
 from hyserve import LLM, SamplingParams
 from hyserve.config import EngineConfig
@@ -190,13 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     r = run(args)
     print(table(r))
     if not args.no_append:
-        os.makedirs(os.path.dirname(args.results_file), exist_ok=True)
-        new = not os.path.exists(args.results_file)
-        with open(args.results_file, "a", encoding="utf-8") as f:
-            if new:
-                f.write("# Benchmarks\n\nResults appended by the scripts in `benchmarks/`, newest last.\n")
-            f.write(section(args, r, command))
-        print(f"appended to {os.path.relpath(args.results_file, REPO)}")
+        add_section(args.results_file, section(args, r, command))
+        print(f"recorded in {os.path.relpath(args.results_file, REPO)}")
     return 0
 
 

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+from results_doc import add_section
 
 from hyserve import EngineConfig, SamplingParams
 from hyserve.engine.llm_engine import LLMEngine
@@ -145,10 +146,7 @@ def main() -> int:
         entry = (f"\n## Hybrid prefix caching, agentic replay ({datetime.date.today().isoformat()})\n\n"
                  f"Machine: {machine}. Command: `{cmd}`.\n{summary}.\n\n{text}\n\n"
                  f"Acceptance (default >= 90% of theoretical reuse): {'PASS' if ok else 'FAIL'}.\n")
-        with doc.open("a") as f:
-            if doc.stat().st_size == 0:
-                f.write("# Benchmarks\n")
-            f.write(entry)
+        add_section(doc, entry)
     return 0 if ok else 1
 
 

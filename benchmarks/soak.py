@@ -28,6 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's hyserve, not an installed one
 
+from results_doc import add_section
+
 from hyserve.bench.live import ROOT, engine_pid, serve_subprocess
 from hyserve.bench.soak import probe, rss_bytes, run_soak, wait_idle
 
@@ -113,9 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     r = soak(args)
     print(summary(args, r))
     if not args.no_append:
-        with open(args.results_file, "a", encoding="utf-8") as f:
-            f.write(section(args, r, command))
-        print(f"appended to {os.path.relpath(args.results_file, ROOT)}")
+        add_section(args.results_file, section(args, r, command))
+        print(f"recorded in {os.path.relpath(args.results_file, ROOT)}")
     return 0 if "PASS" in summary(args, r) else 1
 
 

@@ -15,7 +15,7 @@ import random
 
 MODEL_NAME = "hyserve-tiny-k3"
 
-TOOL_REQUESTS = (
+_WRITTEN_REQUESTS = (
     "Use lookup_symbol to find out what {name} does.",
     "Use the lookup_symbol tool on {name}.",
     "Look up {name} with lookup_symbol, please.",
@@ -37,6 +37,40 @@ TOOL_REQUESTS = (
     "Could you use lookup_symbol to look at {name}?",
     "I want to know what {name} does; use the lookup tool.",
 )
+# Run 6 learned only the phrasings it was trained on: asked "Please use lookup_symbol to check json.dumps." it
+# called the tool with "checkjson.dumps". Requests composed from parts put the name after many different
+# words, so copying it cannot lean on the words before it. The parts of EVAL_TOOL_REQUESTS' held-out
+# phrasings occur, but never in their combinations (_HELD_OUT).
+_OPENERS = ("", "Please ", "Could you ", "Can you ", "Would you ", "Hey, ", "Quick one: ", "Now ", "OK, ")
+_LEADS = ("", "use lookup_symbol to ", "use the tool to ", "use your tool to ", "call lookup_symbol to ",
+          "use the lookup tool to ")
+_ASKS = ("look up {name}", "check {name}", "inspect {name}", "find {name}", "look {name} up", "see what {name} does",
+         "see how {name} works", "tell me about {name}", "explain {name}", "get the signature of {name}",
+         "find out what {name} does", "look at {name}", "read the docs of {name}", "describe {name}")
+_WITH = ("", " with lookup_symbol", " using lookup_symbol", " with the tool", " using the tool",
+         " with your lookup tool", " via the lookup tool")
+_ENDS = (".", "?", ", please.", " for me.", " and tell me what it does.", " now.")
+_HELD_OUT = {("use lookup_symbol to ", "check {name}"), ("call lookup_symbol to ", "check {name}"),
+             ("", "look {name} up", " with the tool"),
+             ("use the tool to ", "see how {name} works")}
+
+
+def _composed() -> tuple[str, ...]:
+    out = []
+    for opener in _OPENERS:
+        for lead in _LEADS:
+            for ask in _ASKS:
+                for tool in _WITH if not lead else ("",):
+                    if (lead, ask) in _HELD_OUT or (lead, ask, tool) in _HELD_OUT:
+                        continue
+                    for end in _ENDS:
+                        text = f"{opener}{lead}{ask}{tool}{end}"
+                        out.append(text[0].upper() + text[1:])
+    return tuple(out)
+
+
+# every one names the tool or asks for a lookup, and holds {name} once
+TOOL_REQUESTS = _WRITTEN_REQUESTS + _composed()
 EVAL_TOOL_REQUESTS = (
     "Use lookup_symbol to find out what {name} does.",
     "Please use lookup_symbol to check {name}.",
