@@ -138,15 +138,15 @@ def test_a_live_server_forced_tool_call_with_thinking_on_names_the_symbol(client
     assert json.loads(choice.message.tool_calls[0].function.arguments) == {"name": "json.dumps"}
 
 
-# ---- what the model says about itself, and natural tool requests (need the retrained checkpoint) ------
-# The shipped checkpoint was trained before the greeting, identity and tool-phrasing data existed: these
-# fail until it is retrained (hyserve/train/README.md), which needs a GPU. Strict: once a retrained
-# checkpoint passes them, the marks must go.
-_NEEDS_RETRAIN = pytest.mark.xfail(strict=True, reason="the shipped checkpoint predates its identity and "
-                                                       "tool-phrasing data: retrain it (hyserve/train/README.md)")
+# ---- what the model says about itself, and natural tool requests ----------------------------------------
+# Run 6 (the shipped checkpoint) learned the greetings and identity answers, and the one tool-request
+# phrasing the evaluation shares with its training data; the held-out phrasings failed (docs/BENCHMARKS.md).
+# The data now composes its tool requests from parts (small_talk.TOOL_REQUESTS); the retrain that uses it
+# needs a GPU. Strict: once a retrained checkpoint passes, the mark must go.
+_NEEDS_RETRAIN = pytest.mark.xfail(strict=True, reason="run 6 names the symbol for 24% of the requests in "
+                                                       "held-out phrasings: retrain on the composed requests")
 
 
-@_NEEDS_RETRAIN
 @pytest.mark.parametrize("tools", [False, True], ids=["no-tools", "lookup-tool"])
 def test_hello_who_are_you_is_answered_with_what_the_model_is_and_can_do(llm, tools):
     from hyserve import SamplingParams
@@ -157,7 +157,7 @@ def test_hello_who_are_you_is_answered_with_what_the_model_is_and_can_do(llm, to
 
     tok = llm.get_tokenizer()
     prompt = encode_k3(tok, [{"role": "user", "content": "Hello! Who are you?"}], [LOOKUP_TOOL] if tools else None)
-    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=96, skip_special_tokens=False),
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=160, skip_special_tokens=False),
                        use_tqdm=False)[0].outputs[0]
     parsed = make_output_parser("k3", tok, prompt_opens_thinking=True, tools_enabled=True).parse(out.token_ids)
     assert out.finish_reason == "stop" and identity_reply_ok(parsed.content or "", bool(parsed.tool_calls)), parsed

@@ -130,7 +130,8 @@ def small_talk_rates(llm) -> dict[str, float]:
     cases = [(kind, text, tools) for kind, texts in (("identity", EVAL_GREETINGS), ("out_of_scope", EVAL_OUT_OF_SCOPE))
              for text in texts for tools in (None, [LOOKUP_TOOL])]
     prompts = [encode_k3(tok, [{"role": "user", "content": text}], tools) for _, text, tools in cases]
-    gens = llm.generate(prompts, _greedy(96), use_tqdm=False)
+    # brevity is judged in characters (identity_reply_ok); 160 tokens only bound the generation
+    gens = llm.generate(prompts, _greedy(160), use_tqdm=False)
     ok: dict[str, list[bool]] = {"identity": [], "out_of_scope": []}
     for (kind, _, _), g in zip(cases, gens):
         out = make_output_parser("k3", tok, prompt_opens_thinking=True, tools_enabled=True).parse(g.outputs[0].token_ids)
