@@ -158,3 +158,23 @@ def _check_type(key: str, v: Any) -> None:
         ok = all(isinstance(r, (int, float)) and not isinstance(r, bool) for r in v)
     if not ok:
         raise ValueError(f"speculative config '{key}' must be {what}, got {json.dumps(v)}")
+
+
+def check_for_engine(value: str | dict[str, Any] | SpeculativeConfig, cfg: Any) -> SpeculativeConfig:
+    """The parsed config of `EngineConfig.speculative_config`, refusing by name what the engine does not
+    build yet (a refusal, never a silent fallback to plain decoding). `cfg` is the EngineConfig."""
+    spec = value if isinstance(value, SpeculativeConfig) else parse_speculative_config(value)
+    if spec.method == "dspark":
+        raise ValueError("speculative method 'dspark' is not served by the engine yet: the drafter's context rows "
+                         "in the page pool, the target's feature taps (aux hidden states) in the model forward and "
+                         "the on-device proposer are missing (docs/speculative_decoding.md); use method 'ngram'")
+    if spec.draft_sample_method != "greedy":
+        raise ValueError("draft_sample_method 'probabilistic' needs a drafter with a distribution; n-gram drafts "
+                         "are one-hot (leave it 'greedy')")
+    if cfg.tensor_parallel_size > 1:
+        raise ValueError("speculative decoding is not supported with tensor_parallel_size > 1 yet")
+    budget = cfg.max_num_batched_tokens
+    if budget is not None and spec.num_speculative_tokens + 1 > budget:
+        raise ValueError(f"num_speculative_tokens + 1 ({spec.num_speculative_tokens + 1}) exceeds "
+                         f"max_num_batched_tokens ({budget}): a verify step could never be scheduled")
+    return spec
