@@ -1,0 +1,298 @@
+"""Speculative decoding through the engine (docs/speculative_decoding.md §2, §3), on the CPU: greedy output
+identical with and without speculation, exact rollback of the KDA state, the four regressions other
+engines shipped, metrics and the synthetic acceptance mode. `make_engine` checks after every test that no
+page or state slot is still held."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import assert_pool_empty
+
+from hyserve import SamplingParams
+from hyserve.config import EngineConfig
+from hyserve.engine.scheduler import ScheduledSeq
+from hyserve.engine.step_inputs import build_step_inputs
+
+K = 3
+NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+class Oracle:
+    """A drafter that knows the plain run's outputs: its drafts are right up to a position that varies
+    from step to step (every draft, some, none), so verify steps accept and reject. `wrong` makes every
+    draft wrong; `dry_after` proposes nothing once a request has that many outputs."""
+
+    def __init__(self, refs: dict[tuple[int, ...], list[int]], wrong: bool = False, dry_after: int | None = None):
+        self.refs, self.wrong, self.dry_after, self.calls = refs, wrong, dry_after, 0
+
+    def propose(self, histories):
+        out = []
+        for h in histories:
+            self.calls += 1
+            prompt = next(p for p in self.refs if tuple(h[: len(p)]) == p and len(h) >= len(p))
+            done, ref = len(h) - len(prompt), self.refs[prompt]
+            if self.dry_after is not None and done >= self.dry_after:
+                out.append([])
+                continue
+            drafts = list(ref[done : done + K])
+            good = 0 if self.wrong else self.calls % (K + 1)  # 0..K drafts right
+            out.append([t if j < good else (t + 1) % 256 for j, t in enumerate(drafts)])
+        return out
+
+
+def repetitive_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        motif = [rng.randrange(256) for _ in range(rng.randint(2, 5))]
+        out.append((motif * 12)[: rng.randint(9, 40)])
+    return out
+
+
+def run(llm, prompts, params=GREEDY) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+STRESS = dict(max_num_batched_tokens=12, block_size=4, num_gpu_blocks=20, async_scheduling=True,
+              prefix_cache_retention_interval=8)
+
+
+@pytest.mark.parametrize("model", ["k3-tiny", "kimi-linear-tiny", "k3.1-tiny"])
+def test_greedy_output_is_identical_with_speculation(make_llm, model):
+    """Mixed batch, prefix caching, chunked prefill (a 12-token budget), preemption (20 pages of 4 tokens)
+    and async scheduling: the oracle's drafts are accepted and rejected, the output never changes."""
+    prompts = repetitive_prompts(5) + [repetitive_prompts(1, 7)[0]] * 2  # a repeat hits the prefix cache
+    plain = run(make_llm(model, **STRESS), prompts)
+    llm = make_llm(model, speculative_config=NGRAM, **STRESS)
+    llm.engine.spec.proposer = Oracle({tuple(p): o for p, o in zip(prompts, plain)})
+    assert run(llm, prompts) == plain
+    st = llm.engine.stats
+    assert st.spec_decode.num_accepted_tokens > 0
+    assert st.spec_decode.num_accepted_tokens < st.spec_decode.num_draft_tokens
+    assert st.num_preemptions > 0 and st.prefix_cache_hits > 0
+    assert_pool_empty(llm.engine)
+
+
+def test_ngram_greedy_output_is_identical(make_llm):
+    """The real n-gram proposer on repetitive prompts, sync and async."""
+    prompts = repetitive_prompts(4, seed=3)
+    plain = run(make_llm(max_num_batched_tokens=16), prompts)
+    for async_ in (False, True):
+        llm = make_llm(max_num_batched_tokens=16, async_scheduling=async_, speculative_config=NGRAM)
+        assert run(llm, prompts) == plain
+        assert llm.engine.stats.spec_decode.num_draft_tokens > 0
+
+
+def _states(engine, req_id):
+    """(num_computed_tokens, conv, recurrent) of the request's live KDA state after each step."""
+    out = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        req = next((r for r in engine.scheduler.running if r.request_id == req_id), None)
+        if req is not None:
+            t = engine.kv.tensors
+            out.append((req.num_computed_tokens, t.conv[req.state_slot].clone(), t.recurrent[req.state_slot].clone()))
+    return out
+
+
+def test_rollback_is_exact(make_engine):
+    """After every step the live state (the column of the accepted drafts) equals a plain run's state over
+    the same tokens: a rejected draft leaves no trace."""
+    prompt = repetitive_prompts(1, 5)[0]
+    plain_engine = make_engine(dtype="float32")
+    plain_engine.add_request("r", prompt, GREEDY)
+    plain = {n: (c, r) for n, c, r in _states(plain_engine, "r")}
+    ref = [0]  # the plain run's outputs, for the oracle
+    p2 = make_engine(dtype="float32")
+    p2.add_request("r", prompt, GREEDY)
+    while p2.has_unfinished_requests():
+        for o in p2.step():
+            ref = o.outputs[0].token_ids
+    spec = make_engine(dtype="float32", speculative_config=NGRAM)
+    spec.spec.proposer = Oracle({tuple(prompt): ref})
+    spec.add_request("r", prompt, GREEDY)
+    seen = _states(spec, "r")
+    assert spec.stats.spec_decode.num_accepted_tokens < spec.stats.spec_decode.num_draft_tokens
+    jumps = [b[0] - a[0] for a, b in zip(seen, seen[1:])]
+    assert max(jumps) > 1  # some steps committed accepted drafts
+    for n, conv, rec in seen:
+        c, r = plain[n]
+        torch.testing.assert_close(conv, c, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(rec, r, rtol=1e-5, atol=1e-6)
+
+
+def test_a_step_without_drafts_after_a_speculative_step_reads_the_current_column(make_llm):
+    """Regression 1 (vllm#39273): drafts dry up mid-generation; the plain decodes after the verify steps
+    must start from the accepted column, not column 0."""
+    prompts = repetitive_prompts(3, 11)
+    plain = run(make_llm(), prompts)
+    llm = make_llm(speculative_config=NGRAM)
+    llm.engine.spec.proposer = Oracle({tuple(p): o for p, o in zip(prompts, plain)}, dry_after=9)
+    assert run(llm, prompts) == plain
+    assert llm.engine.stats.spec_decode.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_checkpoints_never_cover_a_rejected_token(make_llm, async_):
+    """Regressions 2 and 3 (vllm#43559, sglang#36537): every draft is wrong; prefix checkpoints taken during
+    generation (every 8 tokens, end of generation) hold the state of a plain run at their position, and
+    a second request resuming from them equals a cold run."""
+    prompt = repetitive_prompts(1, 2)[0][:13]
+    kw = dict(prefix_cache_retention_interval=8, async_scheduling=async_)
+    plain_llm = make_llm(**kw)
+    plain = run(plain_llm, [prompt])
+    llm = make_llm(speculative_config=NGRAM, **kw)
+    llm.engine.spec.proposer = Oracle({tuple(prompt): plain[0]}, wrong=True)
+    assert run(llm, [prompt]) == plain
+    assert llm.engine.stats.spec_decode.num_accepted_tokens == 0
+    ours, theirs = llm.engine.kv.prefix.checkpoints.ckpts, plain_llm.engine.kv.prefix.checkpoints.ckpts
+    assert {k[1] for k in ours} >= {16, 24}
+    for key, c in ours.items():
+        ref = theirs[key]
+        for t in (llm.engine.kv.tensors.recurrent, llm.engine.kv.tensors.conv):
+            torch.testing.assert_close(t[c.slot], plain_llm.engine.kv.tensors.recurrent[ref.slot]
+                                       if t is llm.engine.kv.tensors.recurrent else plain_llm.engine.kv.tensors.conv[ref.slot])
+    turn2 = prompt + plain[0][:14] + [5, 6, 7]
+    cold = run(make_llm(enable_prefix_caching=False), [turn2])
+    out = llm.generate([turn2], GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens >= 16 and [out.outputs[0].token_ids] == cold
+
+
+def test_a_one_token_prompt_tail_in_a_verify_step_is_a_prefill(make_engine):
+    """Regression 4 (vllm#55178): the kind is explicit. A prompt's last chunk of one token scheduled beside a
+    verify row is a prefill, is not one of the step's verify rows, and samples from its one row."""
+    eng = make_engine(speculative_config=NGRAM)
+    eng.add_request("a", [1, 2, 3, 1, 2, 3, 1, 2], GREEDY)
+    eng.add_request("b", [9, 8, 7, 6, 5], GREEDY)
+    a, b = eng.scheduler.waiting
+    for r, n in ((a, 8), (b, 4)):
+        eng.kv.allocate_slots(r, n, eng.kv.get_computed_tokens(r))
+        r.num_computed_tokens, r.fresh_state = n, False
+    a.output_token_ids = [1]
+    seqs = [ScheduledSeq(a, 1 + K, 8, False, [2, 3, 1]), ScheduledSeq(b, 1, 4, False)]
+    eng.kv.allocate_slots(a, 1 + K)
+    eng.kv.allocate_slots(b, 1)
+    assert [s.kind for s in seqs] == ["verify", "prefill"]
+    inputs = build_step_inputs(seqs, eng.kv.block_size)
+    assert inputs.verify.seqs == [0] and inputs.verify.src == [0] and inputs.verify.logit_counts == [1 + K, 1]
+    assert inputs.layout.views(inputs.flat).logits_indices.tolist() == [0, 1, 2, 3, 4]
+    assert ScheduledSeq(a, 1, 9, False).kind == "decode"
+    for r in (a, b):
+        eng.scheduler.finish(r, r.status.FINISHED_ABORTED)
+    eng.parents.clear()
+
+
+def test_preemption_and_abort_mid_speculation_free_every_slot(make_engine):
+    eng = make_engine(speculative_config=NGRAM, num_gpu_blocks=12, block_size=4)
+    for i, p in enumerate(repetitive_prompts(4, 9)):
+        eng.add_request(str(i), p[:16], GREEDY)
+    slots = eng.kv.pool_stats["state_slots_capacity"]
+    assert slots == eng.cfg.max_num_seqs * (1 + K)
+    for _ in range(12):
+        eng.step()
+    assert any(r.spec_slots for r in eng.scheduler.running)
+    assert all(len(r.spec_slots) == 1 + K for r in eng.scheduler.running)
+    for i in range(4):
+        eng.abort_request(str(i))
+    assert eng.scheduler.num_preemptions > 0
+    stats = eng.kv.pool_stats
+    assert stats["state_slots_free"] == stats["state_slots_capacity"]
+    assert_pool_empty(eng)
+
+
+def test_synthetic_acceptance_through_the_engine(make_llm):
+    """rejection_sample_method 'synthetic' fixes the acceptance curve (benchmarks): length 3 with 3 drafts
+    accepts exactly 2 per verify step whatever the drafts are."""
+    spec = dict(NGRAM, rejection_sample_method="synthetic", synthetic_acceptance_length=3.0)
+    llm = make_llm(speculative_config=spec)
+    llm.engine.spec.proposer = Oracle({(1, 2, 3): [0] * 64}, wrong=True)
+    out = run(llm, [[1, 2, 3]], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    st = llm.engine.stats.spec_decode
+    assert len(out[0]) == 20 and st.num_drafts > 0
+    assert st.num_accepted_tokens == 2 * st.num_drafts
+    assert st.accepted_per_position[:3] == [st.num_drafts, st.num_drafts, 0]
+
+
+def test_spec_metrics_and_stats_line(make_llm):
+    from hyserve.engine.engine_core import _EngineLoop
+    from hyserve.metrics import ServerMetrics
+    from hyserve.stats_logger import LoggingStatLogger
+
+    prompts = repetitive_prompts(2, 4)
+    plain = run(make_llm(), prompts)
+    llm = make_llm(speculative_config=NGRAM)
+    llm.engine.spec.proposer = Oracle({tuple(p): o for p, o in zip(prompts, plain)})
+    logger = LoggingStatLogger(emit=lambda line: None)
+    logger.log()
+    run(llm, prompts)
+    stats = _EngineLoop._stats(type("L", (), {"engine": llm.engine})())
+    st = stats["spec_decode"]
+    logger.record(stats)
+    line = logger.log()
+    mean = 1 + st["num_accepted_tokens"] / st["num_drafts"]
+    assert f"Mean acceptance length: {mean:.2f}" in line and "Per-position acceptance rate: [" in line
+    text = ServerMetrics("m", lambda: stats).render().decode()
+    assert f'vllm:spec_decode_num_drafts_total{{engine="0",model_name="m"}} {float(st["num_drafts"])}' in text
+    assert f"vllm:spec_decode_num_accepted_tokens_total{{engine=\"0\",model_name=\"m\"}} {float(st['num_accepted_tokens'])}" in text
+    assert "vllm:spec_decode_num_draft_tokens_total" in text
+    assert f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="m",position="0"}} ' \
+           f'{float(st["accepted_per_position"][0])}' in text
+    plain_text = ServerMetrics("m", lambda: _EngineLoop._stats(type("L", (), {"engine": make_llm().engine})())).render()
+    assert b"spec_decode" not in plain_text
+
+
+@pytest.mark.parametrize("value, message", [
+    ('{"method": "dspark", "model": "/x"}', "'dspark' is not served by the engine yet"),
+    ('{"method": "ngram"}', "needs num_speculative_tokens"),
+    ('{"method": "ngram", "num_speculative_tokens": 4, "draft_sample_method": "probabilistic"}', "one-hot"),
+    ("{not json", "not valid JSON"),
+])
+def test_bad_speculative_configs_are_refused(value, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(speculative_config=value)
+    with pytest.raises(ValueError, match="exceeds max_num_batched_tokens"):
+        EngineConfig(speculative_config=NGRAM, max_num_batched_tokens=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(speculative_config=NGRAM, tensor_parallel_size=2)
+
+
+def test_the_cli_flag_parses_and_refuses(tmp_path):
+    from hyserve.entrypoints.cli import build_parser
+    from hyserve.entrypoints.engine_args import engine_kwargs_from_args
+
+    for cmd in (["serve"], ["generate", "--prompt", "x"]):
+        args = build_parser().parse_args(cmd + ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
+        cfg = EngineConfig(**engine_kwargs_from_args(args))
+        assert cfg.speculative_config.num_speculative_tokens == 2
+    bad = subprocess.run([sys.executable, "-m", "hyserve.entrypoints.cli", "generate", "--prompt", "x",
+                          "--speculative-config", '{"method": "eagle"}'], capture_output=True, text=True, cwd=tmp_path,
+                         env={"PYTHONPATH": str(__import__("pathlib").Path(__file__).parents[1])}, timeout=120)
+    assert bad.returncode != 0 and "speculative method must be one of" in bad.stderr
+
+
+def test_sampled_speculation_is_seeded_and_respects_top_k_top_p(make_llm):
+    """Temperature > 0 through the verify path: a seeded request repeats itself, and every emitted token
+    (accepted draft, recovered or bonus) lies in the row's top-k and top-p set (checked against the
+    target's logits at its position, recomputed by a plain forward)."""
+    prompts = repetitive_prompts(2, 6)
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_k=5, top_p=0.9, seed=7, ignore_eos=True, logprobs=20)
+    outs = []
+    for _ in range(2):
+        llm = make_llm(speculative_config=NGRAM)
+        got = llm.generate(prompts, params, use_tqdm=False)
+        outs.append([o.outputs[0].token_ids for o in got])
+        assert llm.engine.stats.spec_decode.num_draft_tokens > 0
+    assert outs[0] == outs[1]
+    for o in got:  # the raw logprobs of each position's 20 best tokens: the top-k/top-p set is in them
+        for tok, lps in zip(o.outputs[0].token_ids, o.outputs[0].logprobs):
+            ranked = sorted(((lp.logprob, t) for t, lp in lps.items() if lp.rank is not None and lp.rank <= 20), reverse=True)
+            top = [t for _, t in ranked[:5]]
+            probs = torch.tensor([lp for lp, _ in ranked[:5]]).softmax(0)
+            keep = int((probs.cumsum(0) - probs < 0.9).sum())
+            assert tok in top[:keep]
