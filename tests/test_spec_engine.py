@@ -281,13 +281,16 @@ def test_sampled_speculation_is_seeded_and_respects_top_k_top_p(make_llm):
     (accepted draft, recovered or bonus) lies in the row's top-k and top-p set (checked against the
     target's logits at its position, recomputed by a plain forward)."""
     prompts = repetitive_prompts(2, 6)
+    refs = {tuple(p): o for p, o in zip(prompts, run(make_llm(), prompts))}  # greedy drafts: often accepted
     params = SamplingParams(max_tokens=16, temperature=1.0, top_k=5, top_p=0.9, seed=7, ignore_eos=True, logprobs=20)
     outs = []
     for _ in range(2):
         llm = make_llm(speculative_config=NGRAM)
+        llm.engine.spec.proposer = Oracle(refs)
         got = llm.generate(prompts, params, use_tqdm=False)
         outs.append([o.outputs[0].token_ids for o in got])
-        assert llm.engine.stats.spec_decode.num_draft_tokens > 0
+        st = llm.engine.stats.spec_decode
+        assert 0 < st.num_accepted_tokens < st.num_draft_tokens
     assert outs[0] == outs[1]
     for o in got:  # the raw logprobs of each position's 20 best tokens: the top-k/top-p set is in them
         for tok, lps in zip(o.outputs[0].token_ids, o.outputs[0].logprobs):

@@ -9,6 +9,7 @@ Pages, slots and prefix hits come from the cache manager alone.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -27,7 +28,7 @@ class ScheduledSeq:
     start: int  # req.num_computed_tokens when scheduled
     fresh: bool = True  # the chunk starts from a zero KDA state (req.fresh_state when scheduled)
     # speculative decoding: the drafts this step verifies after the last token (num_new_tokens = 1 + drafts)
-    draft_ids: list[int] = field(default_factory=list)
+    draft_ids: Sequence[int] = ()
 
     @property
     def end(self) -> int:
@@ -108,7 +109,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                drafts = req.spec_token_ids[: granted - 1] if req.spec_token_ids else []  # a chunk limit cuts them
+                drafts = req.spec_token_ids[: granted - 1] if req.spec_token_ids else ()  # a chunk limit cuts them
                 out.seqs.append(ScheduledSeq(req, granted, req.num_computed_tokens, req.fresh_state, drafts))
                 budget -= granted
         if out.preempted:

@@ -154,7 +154,7 @@ class _Rows:
             elif s.draft_ids:  # a verify row: the last token, then the drafts (ids the sequence does not hold yet)
                 self.verify.append(i)
                 end -= len(s.draft_ids)
-                self.ids += _known_ids(req, start, end) + s.draft_ids
+                self.ids += _known_ids(req, start, end) + list(s.draft_ids)
             else:
                 chunk = _known_ids(req, start, end)
                 self.ids += chunk + [0] * (k - len(chunk))
