@@ -1,13 +1,15 @@
-"""Speculative decoding through the engine (docs/speculative_decoding.md §2, §3), on the CPU: greedy output
+"""Speculative decoding through the engine (docs/speculative_decoding.md §2, §4), on the CPU: greedy output
 identical with and without speculation, exact rollback of the KDA state, the four regressions other
 engines shipped, metrics and the synthetic acceptance mode. `make_engine` checks after every test that no
 page or state slot is still held."""
 
 from __future__ import annotations
 
+import os
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +17,8 @@ from conftest import assert_pool_empty
 
 from hyserve import SamplingParams
 from hyserve.config import EngineConfig
-from hyserve.engine.scheduler import ScheduledSeq
+from hyserve.engine.request import RequestStatus
+from hyserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from hyserve.engine.step_inputs import build_step_inputs
 
 K = 3
@@ -166,26 +169,44 @@ def test_checkpoints_never_cover_a_rejected_token(make_llm, async_):
 
 def test_a_one_token_prompt_tail_in_a_verify_step_is_a_prefill(make_engine):
     """Regression 4 (vllm#55178): the kind is explicit. A prompt's last chunk of one token scheduled beside a
-    verify row is a prefill, is not one of the step's verify rows, and samples from its one row."""
-    eng = make_engine(speculative_config=NGRAM)
+    verify row is a prefill, is not one of the step's verify rows, samples from its one row, and leaves the
+    state a whole-prompt prefill leaves."""
+    eng = make_engine(dtype="float32", speculative_config=NGRAM)
     eng.add_request("a", [1, 2, 3, 1, 2, 3, 1, 2], GREEDY)
     eng.add_request("b", [9, 8, 7, 6, 5], GREEDY)
-    a, b = eng.scheduler.waiting
-    for r, n in ((a, 8), (b, 4)):
+    a, b = list(eng.scheduler.waiting)
+    eng.scheduler.waiting.clear()
+    for r, n in ((a, 8), (b, 4)):  # a: its prompt computed, one output; b: 4 of its 5 prompt tokens
         eng.kv.allocate_slots(r, n, eng.kv.get_computed_tokens(r))
-        r.num_computed_tokens, r.fresh_state = n, False
-    a.output_token_ids = [1]
-    seqs = [ScheduledSeq(a, 1 + K, 8, False, [2, 3, 1]), ScheduledSeq(b, 1, 4, False)]
+        eng.kv.begin_step(SchedulerOutput([ScheduledSeq(r, n, 0)]))
+        eng.runner.execute(SchedulerOutput([ScheduledSeq(r, n, 0)]))
+        eng.scheduler.running.append(r)
+    a.output_token_ids = [3]
+    seqs = [ScheduledSeq(a, 1 + K, 8, False, [1, 2, 3]), ScheduledSeq(b, 1, 4, False)]
     eng.kv.allocate_slots(a, 1 + K)
     eng.kv.allocate_slots(b, 1)
     assert [s.kind for s in seqs] == ["verify", "prefill"]
+    assert ScheduledSeq(a, 1, 9, False).kind == "decode"
     inputs = build_step_inputs(seqs, eng.kv.block_size)
     assert inputs.verify.seqs == [0] and inputs.verify.src == [0] and inputs.verify.logit_counts == [1 + K, 1]
     assert inputs.layout.views(inputs.flat).logits_indices.tolist() == [0, 1, 2, 3, 4]
-    assert ScheduledSeq(a, 1, 9, False).kind == "decode"
-    for r in (a, b):
-        eng.scheduler.finish(r, r.status.FINISHED_ABORTED)
-    eng.parents.clear()
+    eng.kv.begin_step(SchedulerOutput(seqs))
+    logits = eng.runner.execute(SchedulerOutput(seqs))
+    assert logits.sample_rows == [0, 1] and logits.logits.shape[0] == 1 + K + 1
+    ref = make_engine(dtype="float32")
+    ref.add_request("b", [9, 8, 7, 6, 5], SamplingParams(max_tokens=1))
+    rb = ref.scheduler.waiting[0]
+    ref.kv.allocate_slots(rb, 5, ref.kv.get_computed_tokens(rb))
+    ref.kv.begin_step(SchedulerOutput([ScheduledSeq(rb, 5, 0)]))
+    want = ref.runner.execute(SchedulerOutput([ScheduledSeq(rb, 5, 0)])).logits[0]
+    torch.testing.assert_close(logits.logits[-1], want, rtol=1e-4, atol=1e-4)
+    for t in ("conv", "recurrent"):
+        torch.testing.assert_close(getattr(eng.kv.tensors, t)[b.state_slot], getattr(ref.kv.tensors, t)[rb.state_slot],
+                                   rtol=1e-4, atol=1e-5)
+    for e, reqs in ((eng, (a, b)), (ref, (rb,))):
+        for r in reqs:
+            e.scheduler.finish(r, RequestStatus.FINISHED_ABORTED)
+        e.parents.clear()
 
 
 def test_preemption_and_abort_mid_speculation_free_every_slot(make_engine):
@@ -272,7 +293,7 @@ def test_the_cli_flag_parses_and_refuses(tmp_path):
         assert cfg.speculative_config.num_speculative_tokens == 2
     bad = subprocess.run([sys.executable, "-m", "hyserve.entrypoints.cli", "generate", "--prompt", "x",
                           "--speculative-config", '{"method": "eagle"}'], capture_output=True, text=True, cwd=tmp_path,
-                         env={"PYTHONPATH": str(__import__("pathlib").Path(__file__).parents[1])}, timeout=120)
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}, timeout=120)
     assert bad.returncode != 0 and "speculative method must be one of" in bad.stderr
 
 
