@@ -209,6 +209,29 @@ def test_a_one_token_prompt_tail_in_a_verify_step_is_a_prefill(make_engine):
         e.parents.clear()
 
 
+def test_verify_rows_fit_the_budget_max_tokens_and_max_model_len(make_llm):
+    from hyserve.engine.request import Request
+    from hyserve.spec_decode.scheduling import verify_len
+
+    req = Request("r", [1] * 10, GREEDY, max_tokens=8, output_token_ids=[2] * 3, spec_token_ids=[3] * K)
+    assert verify_len(req, 100, 100) == 1 + K
+    assert verify_len(req, 2, 100) == 2  # the step's token budget counts every verified position
+    assert verify_len(req, 100, 15) == 2  # 13 tokens: the bonus token must fit max_model_len 15 too
+    req.output_token_ids = [2] * 6
+    assert verify_len(req, 100, 100) == 2  # one output left after the draft: the correction or bonus
+    req.output_token_ids = [2] * 7
+    assert verify_len(req, 100, 100) == 1
+    prompts = repetitive_prompts(2, 8)
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    limit = max(map(len, prompts)) + 11
+    plain = run(make_llm(max_model_len=limit), prompts, params)
+    llm = make_llm(max_model_len=limit, speculative_config=NGRAM)
+    llm.engine.spec.proposer = Oracle({tuple(p): o + [0] * K for p, o in zip(prompts, plain)})
+    assert run(llm, prompts, params) == plain
+    assert [len(p) + len(o) for p, o in zip(prompts, plain)] == [limit] * 2
+    assert llm.engine.stats.spec_decode.num_accepted_tokens > 0
+
+
 def test_preemption_and_abort_mid_speculation_free_every_slot(make_engine):
     eng = make_engine(speculative_config=NGRAM, num_gpu_blocks=12, block_size=4)
     for i, p in enumerate(repetitive_prompts(4, 9)):

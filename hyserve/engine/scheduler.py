@@ -44,8 +44,9 @@ class ScheduledSeq:
 
     @property
     def samples(self) -> bool:
-        """The chunk reaches the last known token, so its last position yields the next token."""
-        return self.end == self.req.num_tokens
+        """The chunk reaches the last known token, so its last position yields the next token (a verify row's
+        drafts come after it)."""
+        return self.end - len(self.draft_ids) == self.req.num_tokens
 
 
 @dataclass
