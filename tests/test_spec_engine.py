@@ -232,6 +232,27 @@ def test_verify_rows_fit_the_budget_max_tokens_and_max_model_len(make_llm):
     assert llm.engine.stats.spec_decode.num_accepted_tokens > 0
 
 
+def test_a_stop_among_accepted_drafts_ends_the_request_there(make_llm):
+    """Stop checks run token by token: a stop token inside the accepted drafts finishes the request at it (the
+    rest dropped), and what the prefix cache kept at that finish resumes as a cold run would."""
+    prompts = repetitive_prompts(3, 12)
+    refs = {tuple(p): o for p, o in zip(prompts, run(make_llm(), prompts))}
+    stops = [o[6] for o in refs.values()]
+    params = SamplingParams(max_tokens=24, temperature=0, stop_token_ids=stops, include_stop_str_in_output=True)
+    want = [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].stop_reason)
+            for o in make_llm().generate(prompts, params, use_tqdm=False)]
+    llm = make_llm(speculative_config=NGRAM)
+    llm.engine.spec.proposer = Oracle(refs)
+    llm.engine.spec.proposer.calls = K - 1  # the first verify steps accept every draft
+    got = [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].stop_reason)
+           for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want and all(len(t) < 24 for t, _, _ in got)
+    turn2 = [p + t + [4, 5] for p, (t, _, _) in zip(prompts, got)]
+    cold = run(make_llm(enable_prefix_caching=False), turn2)
+    outs = llm.generate(turn2, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == cold and all(o.num_cached_tokens > 0 for o in outs)
+
+
 def test_preemption_and_abort_mid_speculation_free_every_slot(make_engine):
     eng = make_engine(speculative_config=NGRAM, num_gpu_blocks=12, block_size=4)
     for i, p in enumerate(repetitive_prompts(4, 9)):
