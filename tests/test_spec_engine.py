@@ -92,6 +92,24 @@ def test_ngram_greedy_output_is_identical(make_llm):
         assert llm.engine.stats.spec_decode.num_draft_tokens > 0
 
 
+def test_ngram_drafts_are_accepted_on_the_embedded_model(make_llm):
+    """The trained embedded model continues code the way its prompt does, so the real n-gram drafts are
+    often right: outputs equal plain decoding's, sync and async, with drafts accepted."""
+    from hyserve.config import DEFAULT_MODEL, EMBEDDED_MODEL_DIR
+
+    if DEFAULT_MODEL != EMBEDDED_MODEL_DIR:
+        pytest.skip("no embedded checkpoint shipped")
+    prompt = list(b"def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n")
+    params = SamplingParams(max_tokens=48, temperature=0)
+    kw = dict(kv_cache_memory_bytes=256 << 20, max_num_seqs=4)
+    plain = run(make_llm(DEFAULT_MODEL, **kw), [prompt, prompt[:40]], params)
+    for async_ in (False, True):
+        llm = make_llm(DEFAULT_MODEL, speculative_config=NGRAM, async_scheduling=async_, **kw)
+        assert run(llm, [prompt, prompt[:40]], params) == plain
+        st = llm.engine.stats.spec_decode
+        assert st.num_accepted_tokens > 0.3 * st.num_draft_tokens
+
+
 def _states(engine, req_id):
     """(num_computed_tokens, conv, recurrent) of the request's live KDA state after each step."""
     out = []
@@ -364,3 +382,23 @@ def test_sampled_speculation_is_seeded_and_respects_top_k_top_p(make_llm):
             probs = torch.tensor([lp for lp, _ in ranked[:5]]).softmax(0)
             keep = int((probs.cumsum(0) - probs < 0.9).sum())
             assert tok in top[:keep]
+
+
+def test_generate_with_the_flag_matches_plain_decoding_on_the_embedded_model(capsys):
+    """`hyserve generate --speculative-config` end to end, on the trained embedded model, whose code-like
+    continuations the n-gram drafts partly predict."""
+    import argparse
+    import json
+
+    from hyserve.entrypoints.generate import add_generate_parser, run_generate
+
+    prompt = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n"
+    rows = []
+    for extra in ([], ["--speculative-config", json.dumps(NGRAM)]):
+        parser = argparse.ArgumentParser()
+        add_generate_parser(parser.add_subparsers())
+        args = parser.parse_args(["generate", "--prompt", prompt, "--device", "cpu", "--block-size", "16",
+                                  "--max-tokens", "32", "--temperature", "0", "--output", "jsonl", *extra])
+        assert run_generate(args) == 0
+        rows.append(json.loads(capsys.readouterr().out.splitlines()[0]))
+    assert rows[0]["token_ids"] == rows[1]["token_ids"] and len(rows[0]["token_ids"]) > 0

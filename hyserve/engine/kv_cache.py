@@ -104,6 +104,7 @@ def plan_cache(
         raise MemoryError(
             f"the cache budget ({budget / (1 << 30):.2f} GiB) cannot hold one page and {num_slots} state slots "
             f"of {slot_bytes / (1 << 20):.1f} MiB: lower --max-num-seqs or raise the memory budget"
+            + (" (speculative decoding takes 1 + num_speculative_tokens slots per sequence)" if spec is not None else "")
         )
     if num_blocks * cfg.block_size < max_model_len:
         log.warning("the page pool holds %d tokens, fewer than max_model_len %d", num_blocks * cfg.block_size, max_model_len)
