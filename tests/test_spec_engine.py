@@ -402,3 +402,24 @@ def test_generate_with_the_flag_matches_plain_decoding_on_the_embedded_model(cap
         assert run_generate(args) == 0
         rows.append(json.loads(capsys.readouterr().out.splitlines()[0]))
     assert rows[0]["token_ids"] == rows[1]["token_ids"] and len(rows[0]["token_ids"]) > 0
+
+
+def test_serve_with_the_flag_shows_the_counters_on_metrics():
+    """`hyserve serve --speculative-config` end to end: completions go through verify steps and /metrics
+    carries vLLM's spec_decode counters."""
+    import json
+
+    import httpx
+
+    from tests.server_util import live_server, metric
+
+    flags = ("--speculative-config", json.dumps(NGRAM), "--device", "cpu", "--block-size", "16",
+             "--kv-cache-memory-bytes", str(128 << 20), "--max-num-seqs", "4")
+    with live_server(*flags) as url:
+        r = httpx.post(f"{url}/v1/completions", json={"model": "k3-tiny", "prompt": "abcabcabcabcabc", "max_tokens": 16,
+                                                       "temperature": 0, "ignore_eos": True}, timeout=120)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16
+        drafts = metric(url, "vllm:spec_decode_num_draft_tokens_total")
+        assert drafts > 0 and metric(url, "vllm:spec_decode_num_drafts_total") > 0
+        accepted = metric(url, "vllm:spec_decode_num_accepted_tokens_total")
+        assert metric(url, "vllm:spec_decode_num_accepted_tokens_per_pos_total") == accepted
