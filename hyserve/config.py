@@ -41,11 +41,11 @@ def _check_load_format(fmt: str) -> None:
             raise ValueError(f"load_format fastsafetensors needs the fastsafetensors package: {FASTSAFETENSORS_HINT}")
 
 
-def _opt(default, help: str, **cli):
+def _opt(default, help: str, hash: bool | None = None, **cli):
     """A field with its CLI help; `cli` may name the flag (`flag=`), the value that flag takes in field
     units (`scale=`: --kv-offloading-size is GiB of a byte count), the smallest value (`min=`), `choices=`,
-    `metavar=` and a short alias (`alias="-tp"`)."""
-    return field(default=default, metadata={"help": help, **cli})
+    `metavar=` and a short alias (`alias="-tp"`). `hash=False` leaves an unhashable value out of the hash."""
+    return field(default=default, hash=hash, metadata={"help": help, **cli})
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ class EngineConfig:
     speculative_config: str | dict | SpeculativeConfig | None = _opt(
         None, "speculative decoding as a JSON object with vLLM's keys, e.g. "
               "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'; "
-              "only method ngram is built (default: off)", metavar="JSON")
+              "only method ngram is built (default: off)", hash=False, metavar="JSON")
     # the server's periodic stats line (hyserve/stats_logger.py)
     disable_log_stats: bool = _opt(False, "no periodic stats line in the server log")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +24,7 @@ from hyserve.spec_decode.rejection import RejectionOutput, rejection_sample
 from hyserve.spec_decode.target_probs import SpecRequest
 
 if TYPE_CHECKING:
+    from hyserve.engine.llm_engine import LLMEngine
     from hyserve.engine.request import Request
     from hyserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 
@@ -51,7 +52,7 @@ class SpecDecoder:
         for r, drafts in zip(live, self.proposer.propose([r.all_token_ids for r in live])):
             r.spec_token_ids = drafts
 
-    def sample(self, seqs: Sequence[ScheduledSeq], logits: torch.Tensor, engine: Any) -> RejectionOutput:
+    def sample(self, seqs: Sequence[ScheduledSeq], logits: torch.Tensor, engine: LLMEngine) -> RejectionOutput:
         """Rejection sampling of the sampling sequences `seqs` (in the logits' order: 1 + drafts rows each)."""
         requests = [SpecRequest(s.req.params, s.req.output_token_ids, s.req.prompt_token_ids, s.req.generator,
                                 s.draft_ids) for s in seqs]
@@ -59,7 +60,7 @@ class SpecDecoder:
                                 allowed_token_mask=_allowed_mask(seqs, logits), vocab_size=engine.model_config.vocab_size,
                                 synthetic_rates=self.synthetic, sampler=engine.sampler)
 
-    def land(self, seqs: Sequence[ScheduledSeq], res: RejectionOutput, now: float, engine: Any) -> None:
+    def land(self, seqs: Sequence[ScheduledSeq], res: RejectionOutput, now: float, engine: LLMEngine) -> None:
         """Append each request's emitted tokens with stop checks token by token (a stop among them drops the
         rest), move its state column and computed count to the accepted drafts, then finish it if it stopped."""
         tokens, accepted = res.token_lists(), res.num_accepted.tolist()
