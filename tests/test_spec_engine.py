@@ -331,7 +331,7 @@ def test_spec_metrics_and_stats_line(make_llm):
 
 
 @pytest.mark.parametrize("value, message", [
-    ('{"method": "dspark", "model": "/x"}', "'dspark' is not served by the engine yet"),
+    ('{"method": "dspark", "model": "/x"}', "without prefix caching"),
     ('{"method": "ngram"}', "needs num_speculative_tokens"),
     ('{"method": "ngram", "num_speculative_tokens": 4, "draft_sample_method": "probabilistic"}', "one-hot"),
     ("{not json", "not valid JSON"),
@@ -423,3 +423,69 @@ def test_serve_with_the_flag_shows_the_counters_on_metrics():
         assert drafts > 0 and metric(url, "vllm:spec_decode_num_drafts_total") > 0
         accepted = metric(url, "vllm:spec_decode_num_accepted_tokens_total")
         assert metric(url, "vllm:spec_decode_num_accepted_tokens_per_pos_total") == accepted
+
+
+@pytest.fixture
+def drafter_dir(tmp_path, tiny_model):
+    from hyserve.spec_decode.dspark_io import save_drafter, target_info
+    from hyserve.train.dspark import DrafterTrainConfig, new_drafter
+
+    target, _ = tiny_model("k3-tiny")
+    d = new_drafter(target, DrafterTrainConfig(block_size=4, num_layers=1, layer_ids=[0, 2]), seed=1)
+    with torch.no_grad():  # a Markov bias that is not zero, so drafts depend on the token before
+        d.markov_out.weight.normal_(0, 0.5)
+    save_drafter(d, str(tmp_path / "drafter"), target_info(target, "k3-tiny"), dtype=torch.float32)
+    return str(tmp_path / "drafter")
+
+
+def test_dspark_greedy_output_is_identical_and_drafts_match_the_reference(make_llm, tiny_model, drafter_dir):
+    """method 'dspark' through the engine (the reference path): chunked prefill, preemption and async
+    scheduling leave greedy outputs unchanged, and every block it drafts equals the reference proposer's
+    over the whole history (the drafter's context holds exactly the computed, accepted positions)."""
+    from hyserve.spec_decode.dspark_io import load_drafter
+    from hyserve.spec_decode.dspark_propose import DSparkProposer
+    from hyserve.spec_decode.reference_loop import dspark_propose
+
+    kw = dict(enable_prefix_caching=False, max_num_batched_tokens=12, block_size=4, num_gpu_blocks=20,
+              async_scheduling=True)
+    prompts = repetitive_prompts(4, 21)
+    plain = run(make_llm(**kw), prompts)
+    llm = make_llm(speculative_config={"method": "dspark", "model": drafter_dir}, **kw)
+    proposer, seen = llm.engine.spec.proposer, []
+    original = proposer.propose
+
+    def history(n: int, anchor: int) -> tuple[list[int], list[int]]:
+        """(the history whose last token is `anchor` at position n, the plain run's tokens after it)."""
+        return next((h, o[i:]) for p, o in zip(prompts, plain) for i in range(1, len(o) + 1)
+                    if len(h := p + o[:i]) == n + 1 and h[-1] == anchor)
+
+    def recording(req_ids, anchors, temps=None, gens=None):
+        """The drafter's blocks are recorded; every other one is replaced by the right continuation, so
+        verify steps accept drafts and the context must grow by the accepted positions."""
+        block = original(req_ids, anchors, temps, gens)
+        for i, (r, a) in enumerate(zip(req_ids, anchors.tolist())):
+            n = llm.engine.spec.proposer.num_context(r)
+            seen.append((n, a, block.token_ids[i].tolist()))
+            right = history(n, a)[1][:K + 1]
+            if len(seen) % 2 and len(right) == K + 1:
+                block.token_ids[i] = torch.tensor(right)
+        return block
+
+    proposer.propose = recording
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    st = llm.engine.stats.spec_decode
+    assert 0 < st.num_accepted_tokens < st.num_draft_tokens and llm.engine.stats.num_preemptions > 0
+    assert llm.engine.spec.proposer.rows == {}  # every request's rows were dropped when it finished
+    target, _ = tiny_model("k3-tiny")
+    ref = dspark_propose(target, DSparkProposer(load_drafter(drafter_dir, target)))
+    for n, anchor, drafts in seen[::3]:
+        torch.testing.assert_close(ref(history(n, anchor)[0], GREEDY, None)[0], drafts, rtol=0, atol=0)
+
+
+def test_dspark_refusals(tiny_model, drafter_dir):
+    with pytest.raises(ValueError, match="exceeds the drafter's block size"):
+        EngineConfig(enable_prefix_caching=False, speculative_config={"method": "dspark", "model": drafter_dir,
+                                                                      "num_speculative_tokens": 5})
+    cfg = EngineConfig(enable_prefix_caching=False, speculative_config={"method": "dspark", "model": drafter_dir})
+    assert cfg.speculative_config.num_speculative_tokens == 4  # the drafter's block size

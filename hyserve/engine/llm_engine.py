@@ -37,7 +37,7 @@ from hyserve.models.loader import load_model, resolve_dtype
 from hyserve.outputs import Logprob, OutputAccumulator, RequestDelta, RequestOutput
 from hyserve.planning.warmup import plan_warmup, run_warmup
 from hyserve.sampling_params import SamplingParams
-from hyserve.spec_decode.engine_step import SpecDecoder
+from hyserve.spec_decode.engine_step import make_decoder
 from hyserve.spec_decode.reference_loop import SpecStats
 from hyserve.startup import StartupClock, describe_startup, since_process_start
 from hyserve.tokenizer import Tokenizer, load_tokenizer, parse_prompt, tokenizer_source
@@ -143,7 +143,8 @@ class LLMEngine:
         self.eos_token_ids = list(self.model_config.eos_token_ids) or tokenizer_eos
         self.parents: dict[str, ParentRequest] = {}
         spec = cfg.speculative_config
-        self.spec = SpecDecoder(spec, self.max_model_len) if spec is not None else None
+        self.spec = None if spec is None else make_decoder(spec, self.max_model_len, self.model, cfg.enforce_eager,
+                                                            self.scheduler)
         self.stats = EngineStats(spec_decode=self.spec.stats if self.spec is not None else None)
         self._landed: SchedulerOutput | None = None  # the step the last step() call read back
         self._in_flight: _Launched | None = None  # async scheduling: the step whose tokens are on the device
@@ -326,7 +327,7 @@ class LLMEngine:
         pending = None
         if prev is not None and prev.result is not None:
             pending = PendingTokens(prev.result.token_ids, {r: j for j, r in enumerate(prev.reqs)})
-        logits = self.runner.execute(out, pending)
+        logits = self.runner.execute(out, pending) if self.spec is None else self.spec.execute(self.runner, out, pending)
         now = time.time()
         for s in out.seqs:
             if s.end >= s.req.num_prompt_tokens and not s.req.prompt_counted:

@@ -25,15 +25,28 @@ from hyserve.spec_decode.target_probs import SpecRequest
 
 if TYPE_CHECKING:
     from hyserve.engine.llm_engine import LLMEngine
+    from hyserve.engine.model_runner import ModelRunner, StepLogits
     from hyserve.engine.request import Request
     from hyserve.engine.scheduler import ScheduledSeq, SchedulerOutput
+    from hyserve.engine.step_inputs import PendingTokens
+
+
+def make_decoder(spec: SpeculativeConfig, max_model_len: int, model: torch.nn.Module, eager: bool,
+                 scheduler) -> SpecDecoder:
+    """The decoder of the config's method (ValueError for a drafter that cannot run on this engine)."""
+    if spec.method == "dspark":
+        from hyserve.spec_decode.engine_dspark import DSparkDecoder
+
+        return DSparkDecoder(spec, max_model_len, model, eager, scheduler)
+    return SpecDecoder(spec, max_model_len)
 
 
 class SpecDecoder:
     def __init__(self, spec: SpeculativeConfig, max_model_len: int):
         self.config = spec
-        self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens,
-                                      max_model_len)
+        if spec.method == "ngram":
+            self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max,
+                                          spec.num_speculative_tokens, max_model_len)
         self.synthetic = spec.synthetic_acceptance_rates if spec.rejection_sample_method == "synthetic" else None
         self.stats = SpecStats()  # the engine's cumulative counters (vLLM's spec_decode_* metrics)
 
@@ -56,9 +69,18 @@ class SpecDecoder:
         """Rejection sampling of the sampling sequences `seqs` (in the logits' order: 1 + drafts rows each)."""
         requests = [SpecRequest(s.req.params, s.req.output_token_ids, s.req.prompt_token_ids, s.req.generator,
                                 s.draft_ids) for s in seqs]
-        return rejection_sample(logits, requests, None, eos_token_ids=engine.eos_token_ids,
+        probs = self.draft_probs(seqs, logits.shape[1])
+        return rejection_sample(logits, requests, probs, eos_token_ids=engine.eos_token_ids,
                                 allowed_token_mask=_allowed_mask(seqs, logits), vocab_size=engine.model_config.vocab_size,
                                 synthetic_rates=self.synthetic, sampler=engine.sampler)
+
+    def draft_probs(self, seqs: Sequence[ScheduledSeq], vocab: int) -> torch.Tensor | None:
+        """The distributions the step's drafts were drawn from; None: one-hot (n-gram)."""
+        return None
+
+    def execute(self, runner: ModelRunner, out: SchedulerOutput, pending: PendingTokens | None) -> StepLogits:
+        """The step's forward (a drafter that reads the target's features taps it)."""
+        return runner.execute(out, pending)
 
     def land(self, seqs: Sequence[ScheduledSeq], res: RejectionOutput, now: float, engine: LLMEngine) -> None:
         """Append each request's emitted tokens with stop checks token by token (a stop among them drops the
