@@ -489,3 +489,21 @@ def test_dspark_refusals(tiny_model, drafter_dir):
                                                                       "num_speculative_tokens": 5})
     cfg = EngineConfig(enable_prefix_caching=False, speculative_config={"method": "dspark", "model": drafter_dir})
     assert cfg.speculative_config.num_speculative_tokens == 4  # the drafter's block size
+
+
+def test_dspark_probabilistic_drafts_are_seeded_and_respect_top_k(make_llm, drafter_dir):
+    """draft_sample_method 'probabilistic': drafts drawn at the request's temperature with their
+    distributions handed to rejection sampling; a seeded request repeats itself and stays in its top-k."""
+    spec = {"method": "dspark", "model": drafter_dir, "draft_sample_method": "probabilistic"}
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_k=3, seed=3, ignore_eos=True, logprobs=3)
+    prompts = repetitive_prompts(2, 5)
+    outs = []
+    for _ in range(2):
+        llm = make_llm(enable_prefix_caching=False, speculative_config=spec)
+        got = llm.generate(prompts, params, use_tqdm=False)
+        outs.append([o.outputs[0].token_ids for o in got])
+        assert llm.engine.stats.spec_decode.num_draft_tokens > 0
+    assert outs[0] == outs[1]
+    for o in got:
+        for tok, lps in zip(o.outputs[0].token_ids, o.outputs[0].logprobs):
+            assert lps[tok].rank <= 3
