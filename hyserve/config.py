@@ -123,7 +123,8 @@ class EngineConfig:
     speculative_config: str | dict | SpeculativeConfig | None = _opt(
         None, "speculative decoding as a JSON object with vLLM's keys, e.g. "
               "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'; "
-              "only method ngram is built (default: off)", hash=False, metavar="JSON")
+              "methods ngram and dspark (a drafter directory as 'model'; eager, no prefix caching) "
+              "(default: off)", hash=False, metavar="JSON")
     # the server's periodic stats line (hyserve/stats_logger.py)
     disable_log_stats: bool = _opt(False, "no periodic stats line in the server log")
 
