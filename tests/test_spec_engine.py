@@ -472,8 +472,16 @@ def test_dspark_greedy_output_is_identical_and_drafts_match_the_reference(make_l
         return block
 
     proposer.propose = recording
+    landed, redrafted = llm.engine.spec.land, []
+
+    def land(seqs, res, now, engine):  # a request that verified drafts again in the same landing
+        landed(seqs, res, now, engine)
+        redrafted.extend(bool(s.req.spec_token_ids) for s in seqs if s.draft_ids and not s.req.is_finished)
+
+    llm.engine.spec.land = land
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == plain
+    assert redrafted and all(redrafted)
     st = llm.engine.stats.spec_decode
     assert 0 < st.num_accepted_tokens < st.num_draft_tokens and llm.engine.stats.num_preemptions > 0
     assert llm.engine.spec.proposer.rows == {}  # every request's rows were dropped when it finished

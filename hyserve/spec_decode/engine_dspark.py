@@ -67,13 +67,14 @@ class DSparkDecoder(SpecDecoder):
         pos = torch.arange(start, start + rows.shape[0], device=rows.device)
         self.proposer.add_context(req.request_id, rows, pos)
 
-    def land(self, seqs: Sequence[ScheduledSeq], res, now: float, engine) -> None:
-        super().land(seqs, res, now, engine)
+    def after_verify(self, seqs: Sequence[ScheduledSeq]) -> None:
+        """The accepted positions' rows join the context before drafting, so the request drafts again at once."""
         for s in seqs:
             rows, start = self._verify_rows.pop(s.req, (None, 0))
             if rows is not None and not s.req.is_finished:
                 self._add(s.req, rows[: s.req.num_computed_tokens - start], start)
         self._verify_rows.clear()
+        super().after_verify(seqs)
 
     def propose(self, reqs: Sequence[Request]) -> None:
         for r in reqs:

@@ -106,6 +106,10 @@ class SpecDecoder:
             if status is not None:
                 req.metrics.finished_time = time.time()
                 engine.scheduler.finish(req, status)
+        self.after_verify(seqs)
+
+    def after_verify(self, seqs: Sequence[ScheduledSeq]) -> None:
+        """The verify step landed: the next drafts."""
         self.propose([s.req for s in seqs])
 
 
