@@ -37,11 +37,11 @@ class DSparkDecoder(SpecDecoder):
         if not eager:
             raise ValueError("speculative method 'dspark' reads the target's features through forward hooks, "
                              "which a CUDA-graph replay does not run: add --enforce-eager")
+        drafter = load_drafter(spec.model, model)
         try:
-            feature_modules(model, spec_layer_ids(spec))
+            feature_modules(model, drafter.config.target_layer_ids)
         except NotImplementedError as e:
             raise ValueError(f"speculative method 'dspark' needs a K3 target: {e}") from None
-        drafter = load_drafter(spec.model, model)
         self.model, self.layer_ids = model, drafter.config.target_layer_ids
         self.proposer = DSparkProposer(drafter, spec.num_speculative_tokens)
         self.probs: dict[str, torch.Tensor] = {}  # request -> [k, V] the distributions of its drafts
@@ -120,10 +120,3 @@ class DSparkDecoder(SpecDecoder):
             self.proposer.free(rid)
             self.probs.pop(rid, None)
 
-
-def spec_layer_ids(spec: SpeculativeConfig) -> list[int]:
-    import json
-    import os
-
-    with open(os.path.join(spec.model, "config.json")) as f:
-        return list(json.load(f).get("target_layer_ids", []))
