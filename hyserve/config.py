@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field
 
 from hyserve import envs
+from hyserve.spec_decode.config import SpeculativeConfig, check_for_engine
 
 # The model `hyserve serve` / `generate` / `LLM()` run when none is named: the trained embedded checkpoint
 # shipped in hyserve/assets (python -m hyserve.train), else the random k3-tiny preset while none is shipped.
@@ -40,11 +41,11 @@ def _check_load_format(fmt: str) -> None:
             raise ValueError(f"load_format fastsafetensors needs the fastsafetensors package: {FASTSAFETENSORS_HINT}")
 
 
-def _opt(default, help: str, **cli):
+def _opt(default, help: str, hash: bool | None = None, **cli):
     """A field with its CLI help; `cli` may name the flag (`flag=`), the value that flag takes in field
     units (`scale=`: --kv-offloading-size is GiB of a byte count), the smallest value (`min=`), `choices=`,
-    `metavar=` and a short alias (`alias="-tp"`)."""
-    return field(default=default, metadata={"help": help, **cli})
+    `metavar=` and a short alias (`alias="-tp"`). `hash=False` leaves an unhashable value out of the hash."""
+    return field(default=default, hash=hash, metadata={"help": help, **cli})
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,12 @@ class EngineConfig:
                                                 "this many TP ranks (block-size tokens of each rank's own per page)",
                                              min=1, alias="-dcp")
     cp_kv_cache_interleave_size: int = _opt(1, "consecutive tokens a DCP rank owns (a DSA indexer needs 1)", min=1)
+    # speculative decoding (docs/speculative_decoding.md); a SpeculativeConfig once constructed
+    speculative_config: str | dict | SpeculativeConfig | None = _opt(
+        None, "speculative decoding as a JSON object with vLLM's keys, e.g. "
+              "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'; "
+              "methods ngram and dspark (a drafter directory as 'model'; eager, no prefix caching) "
+              "(default: off)", hash=False, metavar="JSON")
     # the server's periodic stats line (hyserve/stats_logger.py)
     disable_log_stats: bool = _opt(False, "no periodic stats line in the server log")
 
@@ -133,6 +140,8 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and self.cpu_offload_bytes:
             raise ValueError("--kv-offloading-size (the prefix cache's CPU tier) is not supported with "
                              "tensor_parallel_size > 1 yet")
+        if self.speculative_config is not None:
+            object.__setattr__(self, "speculative_config", check_for_engine(self.speculative_config, self))
         for f in dataclasses.fields(self):
             value, least = getattr(self, f.name), f.metadata.get("min")
             if least is not None and value is not None and value < least:

@@ -76,6 +76,25 @@ class _EngineStatsCollector(Collector):
         for name, key, doc in POOL_GAUGES:
             if key in s:
                 yield gauge(name, doc, s[key])
+        if s.get("spec_decode") is not None:
+            yield from _spec_decode_counters(s["spec_decode"], names, values)
+
+
+def _spec_decode_counters(spec: dict[str, Any], names: list[str], values: list[str]) -> Iterator:
+    """vLLM's speculative-decoding counters (an engine with `speculative_config` only)."""
+    for name, key, doc in (
+        ("vllm:spec_decode_num_drafts", "num_drafts", "Verify steps of a request that carried drafts."),
+        ("vllm:spec_decode_num_draft_tokens", "num_draft_tokens", "Draft tokens verified."),
+        ("vllm:spec_decode_num_accepted_tokens", "num_accepted_tokens", "Draft tokens accepted."),
+    ):
+        c = CounterMetricFamily(name, doc, labels=names)
+        c.add_metric(values, float(spec.get(key, 0)))
+        yield c
+    per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by "
+                                  "position in the draft.", labels=names + ["position"])
+    for pos, n in enumerate(spec.get("accepted_per_position", ())):
+        per_pos.add_metric(values + [str(pos)], float(n))
+    yield per_pos
 
 
 class ServerMetrics:

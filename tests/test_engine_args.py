@@ -15,6 +15,7 @@ from hyserve.entrypoints.generate import add_generate_parser, engine_kwargs
 from hyserve.entrypoints.openai.responses_store import ResponseStore
 from hyserve.entrypoints.openai.server import engine_config_from_args
 from hyserve.entrypoints.serve import _add_arguments
+from hyserve.spec_decode.config import SpeculativeConfig
 
 
 def serve_args(*argv: str) -> argparse.Namespace:
@@ -200,6 +201,7 @@ SAMPLES = {
     "warmup": (None, False), "prefix_cache_last_full_page": (None, False),
     "tensor_parallel_size": ("4", 4), "enable_expert_parallel": (None, False),
     "decode_context_parallel_size": ("1", 1), "cp_kv_cache_interleave_size": ("2", 2),
+    "speculative_config": ('{"method": "ngram", "num_speculative_tokens": 2}', SpeculativeConfig("ngram", 2)),
 }
 
 

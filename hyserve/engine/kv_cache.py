@@ -87,7 +87,9 @@ def plan_cache(
         budget = int(free - (1 - cfg.gpu_memory_utilization) * total)
     else:
         budget = _CPU_DEFAULT_POOL_BYTES
-    run_slots = cfg.max_num_seqs
+    spec = cfg.speculative_config
+    # a speculating request owns a row of 1+K state slots, one per verified position
+    run_slots = cfg.max_num_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))
     ckpt_slots = checkpoint_slots(cfg, budget, slot_bytes)  # sized from the workload
     # the scratch slot comes on top of the sized default, so max_num_seqs requests can still run; an
     # explicit --num-state-slots count includes it
@@ -102,6 +104,7 @@ def plan_cache(
         raise MemoryError(
             f"the cache budget ({budget / (1 << 30):.2f} GiB) cannot hold one page and {num_slots} state slots "
             f"of {slot_bytes / (1 << 20):.1f} MiB: lower --max-num-seqs or raise the memory budget"
+            + (" (speculative decoding takes 1 + num_speculative_tokens slots per sequence)" if spec is not None else "")
         )
     if num_blocks * cfg.block_size < max_model_len:
         log.warning("the page pool holds %d tokens, fewer than max_model_len %d", num_blocks * cfg.block_size, max_model_len)
@@ -125,6 +128,8 @@ class KVCacheManager:
         run = usable - plan.num_checkpoint_slots
         self.slots = SlotPool(0, run)
         self.checkpoint_slots = SlotPool(run, usable)
+        spec = cfg.speculative_config
+        self.spec_width = 1 + spec.num_speculative_tokens if spec is not None else 1
         self.prefix: NoPrefixCache = NoPrefixCache()
         if cfg.enable_prefix_caching:
             self.prefix = PrefixCache(cfg, self.blocks, self.checkpoint_slots, self.tensors, plan.block_size,
@@ -158,7 +163,7 @@ class KVCacheManager:
         return n
 
     def _admit(self, req: Request, hit: PrefixHit) -> PrefixHit | None:
-        slot = self.slots.allocate()
+        slot = self.slots.allocate() if self.spec_width == 1 else self._allocate_row(req)
         if slot is None:
             return None
         req.state_slot, req.fresh_state = slot, True
@@ -173,6 +178,24 @@ class KVCacheManager:
             hit = self.prefix.find(req, gpu_only=True) if hit.needs_cpu else NO_HIT
         self.prefix.start(req, hit)
         return hit
+
+    def _allocate_row(self, req: Request) -> int | None:
+        """A speculating request's 1+K state slots, all or nothing; column 0 is its state until a verify
+        step lands."""
+        if self.slots.num_free < self.spec_width:
+            return None
+        req.spec_slots = [self.slots.allocate() for _ in range(self.spec_width)]
+        return req.spec_slots[0]
+
+    def land_verify(self, req: Request, start: int, accepted: int) -> None:
+        """A verify step from position `start` kept `accepted` drafts: the state after them is in column
+        `accepted`, the positions after them are not computed, and pages wholly past them go back."""
+        req.state_slot = req.spec_slots[accepted]
+        req.num_computed_tokens = start + 1 + accepted
+        keep = -(-req.num_computed_tokens // self.block_size)
+        if len(req.block_ids) > keep:
+            self.blocks.free(req.block_ids[keep:])
+            del req.block_ids[keep:]
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
         """Make req's block table cover `num_tokens` tokens; all or nothing."""
@@ -212,9 +235,9 @@ class KVCacheManager:
     def _release(self, req: Request) -> None:
         self.blocks.free(req.block_ids)
         req.block_ids = []
-        if req.state_slot is not None:
-            self.slots.free(req.state_slot)
-            req.state_slot = None
+        for slot in req.spec_slots or ([req.state_slot] if req.state_slot is not None else []):
+            self.slots.free(slot)
+        req.state_slot, req.spec_slots = None, None
         req.num_computed_tokens = 0
         req.fresh_state = True
 

@@ -31,12 +31,14 @@ from hyserve.engine.sampler import (
     compute_prompt_logprobs,
     logprob_dicts,
 )
-from hyserve.engine.scheduler import Scheduler, SchedulerOutput
+from hyserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from hyserve.engine.step_inputs import PendingTokens
 from hyserve.models.loader import load_model, resolve_dtype
 from hyserve.outputs import Logprob, OutputAccumulator, RequestDelta, RequestOutput
 from hyserve.planning.warmup import plan_warmup, run_warmup
 from hyserve.sampling_params import SamplingParams
+from hyserve.spec_decode.engine_step import make_decoder
+from hyserve.spec_decode.reference_loop import SpecStats
 from hyserve.startup import StartupClock, describe_startup, since_process_start
 from hyserve.tokenizer import Tokenizer, load_tokenizer, parse_prompt, tokenizer_source
 
@@ -55,6 +57,7 @@ class _Launched:
     result: SamplerOutput | None  # None when no sequence samples (prefill chunks only)
     now: float
     readback: Readback | None = None  # the result's host copies, queued behind the sampler
+    verify: list[ScheduledSeq] | None = None  # a step with drafts: its sampling sequences (rejection sampled)
 
 
 def _needs_host_tokens(req: Request) -> bool:
@@ -75,6 +78,7 @@ class EngineStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     last_step_tokens: int = 0
+    spec_decode: SpecStats | None = None  # speculative decoding's counters (None when it is off)
 
 
 @dataclass
@@ -138,7 +142,10 @@ class LLMEngine:
         tokenizer_eos = [self.tokenizer.eos_token_id] if self.tokenizer is not None else []
         self.eos_token_ids = list(self.model_config.eos_token_ids) or tokenizer_eos
         self.parents: dict[str, ParentRequest] = {}
-        self.stats = EngineStats()
+        spec = cfg.speculative_config
+        self.spec = None if spec is None else make_decoder(spec, self.max_model_len, self.model, cfg.enforce_eager,
+                                                            self.scheduler)
+        self.stats = EngineStats(spec_decode=self.spec.stats if self.spec is not None else None)
         self._landed: SchedulerOutput | None = None  # the step the last step() call read back
         self._in_flight: _Launched | None = None  # async scheduling: the step whose tokens are on the device
         self._stashed: list[_Emitted] = []  # deltas of a step read back early (an abort)
@@ -261,6 +268,9 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.seqs:
             return self._unschedulable()
+        return self._step_sync(out)
+
+    def _step_sync(self, out: SchedulerOutput) -> list[_Emitted]:
         touched = {s.req for s in out.seqs}
         try:
             self._land(self._launch(out, None))
@@ -275,15 +285,19 @@ class LLMEngine:
         output processing on the host overlap the forward on the GPU (vLLM's async scheduling). Step
         k+1 reads step k's tokens on the device. A request that step k finishes has one more token
         computed in step k+1, which is dropped. Requests whose next sampling needs the previous token
-        on the host (penalties, structured outputs) make that step wait for it."""
+        on the host (penalties, structured outputs) make that step wait for it. With speculation every step
+        waits (n-gram drafts come from the host tokens) and a step with drafts lands before the next is
+        planned: how many tokens it commits is known only after rejection sampling."""
         prev, self._in_flight = self._in_flight, None
         outputs, self._stashed = self._stashed, []
-        if prev is not None and any(_needs_host_tokens(r) for r in prev.reqs):
+        if prev is not None and (self.spec is not None or any(_needs_host_tokens(r) for r in prev.reqs)):
             outputs += self._finish(prev)
             prev = None
         out = self.scheduler.schedule()
         if not out.seqs:
             return outputs + (self._finish(prev) if prev is not None else self._unschedulable())
+        if self.spec is not None and self.spec.verifies(out):
+            return outputs + self._step_sync(out)
         touched = {s.req for s in out.seqs}
         try:
             launched = self._launch(out, prev)
@@ -313,7 +327,7 @@ class LLMEngine:
         pending = None
         if prev is not None and prev.result is not None:
             pending = PendingTokens(prev.result.token_ids, {r: j for j, r in enumerate(prev.reqs)})
-        logits = self.runner.execute(out, pending)
+        logits = self.runner.execute(out, pending) if self.spec is None else self.spec.execute(self.runner, out, pending)
         now = time.time()
         for s in out.seqs:
             if s.end >= s.req.num_prompt_tokens and not s.req.prompt_counted:
@@ -324,6 +338,9 @@ class LLMEngine:
                 self.stats.prompt_tokens_external += s.req.num_external_cached_tokens
         self._prompt_logprobs(out, logits.prompt_logits)
         reqs = [out.seqs[i].req for i in logits.sample_rows]
+        if self.spec is not None and self.spec.verifies(out):
+            seqs = [out.seqs[i] for i in logits.sample_rows]
+            return self._launched_verify(out, reqs, self.spec.sample(seqs, logits.logits, self), now, seqs)
         result = self._sample_on_device(reqs, logits.logits) if reqs else None
         for r in reqs:
             r.num_pending += 1
@@ -333,6 +350,13 @@ class LLMEngine:
             readback = Readback({"tokens": result.token_ids, "lps": result.logprobs, "ranks": result.ranks,
                                  "top_ids": result.top_token_ids, "top_lps": result.top_logprobs})
         return _Launched(out, reqs, result, now, readback)
+
+    def _launched_verify(self, out: SchedulerOutput, reqs: list[Request], result, now: float,
+                         seqs: list[ScheduledSeq]) -> _Launched:
+        for r in reqs:
+            r.num_pending += 1
+        self.stats.last_step_tokens = out.num_tokens
+        return _Launched(out, reqs, result, now, verify=seqs)
 
     def _finish(self, flight: _Launched) -> list[_Emitted]:
         touched = {s.req for s in flight.out.seqs}
@@ -400,6 +424,8 @@ class LLMEngine:
         res, reqs, now = flight.result, flight.reqs, flight.now
         if res is None:
             return
+        if flight.verify is not None:
+            return self.spec.land(flight.verify, res, now, self)
         for r in reqs:
             r.num_pending -= 1
         host = flight.readback.lists()
@@ -407,27 +433,35 @@ class LLMEngine:
         for j, req in enumerate(reqs):
             if req.is_finished:
                 continue
-            tok = tokens[j]
-            req.output_token_ids.append(tok)
-            if lps is not None:  # None when no request of the step asked for logprobs
-                req.cumulative_logprob += lps[j]
-            self.stats.generation_tokens += 1
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-            req.metrics.last_token_time = now
-            if req.output.new_logprobs is not None:
-                k = req.params.logprobs
-                row = logprob_dicts([tok], [lps[j]], [ranks[j]], [top_ids[j]] if top_ids else None,
-                                    [top_lps[j]] if top_lps else None, [k])
-                req.output.new_logprobs.extend(self._decode_logprobs(row))
-            if req.matcher is not None:
-                req.matcher.accept(tok)
-            if req.output.detok is not None:
-                req.output.text += req.output.detok.step(tok)
-            status = check_stop(req, tok, self.eos_token_ids, self.max_model_len)
+            status = self.append_token(req, tokens[j], now, None if lps is None else lps[j],
+                                       None if ranks is None else ranks[j], top_ids[j] if top_ids else None,
+                                       top_lps[j] if top_lps else None)
             if status is not None:
                 req.metrics.finished_time = time.time()
                 self.scheduler.finish(req, status)
+        if self.spec is not None:
+            self.spec.propose(reqs)
+
+    def append_token(self, req: Request, tok: int, now: float, lp: float | None, rank: int | None,
+                     top_ids: list[int] | None, top_lps: list[float] | None) -> RequestStatus | None:
+        """One sampled token onto req (outputs, logprobs, grammar, text); the status it finishes with, or None
+        (the caller finishes it: a verify step first moves the request's computed count)."""
+        req.output_token_ids.append(tok)
+        if lp is not None:  # None when no request of the step asked for logprobs
+            req.cumulative_logprob += lp
+        self.stats.generation_tokens += 1
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        req.metrics.last_token_time = now
+        if req.output.new_logprobs is not None:
+            row = logprob_dicts([tok], [lp], [rank], None if top_ids is None else [top_ids],
+                                None if top_lps is None else [top_lps], [req.params.logprobs])
+            req.output.new_logprobs.extend(self._decode_logprobs(row))
+        if req.matcher is not None:
+            req.matcher.accept(tok)
+        if req.output.detok is not None:
+            req.output.text += req.output.detok.step(tok)
+        return check_stop(req, tok, self.eos_token_ids, self.max_model_len)
 
     def _allowed_mask(self, reqs: list[Request], logits: torch.Tensor) -> torch.Tensor | None:
         """Structured outputs: rows whose request carries a grammar matcher get its allowed-token mask."""

@@ -81,7 +81,7 @@ class ModelRunner:
         ids = v.input_ids
         if inputs.pending:
             ids = torch.cat([prev, ids]).index_select(0, v.id_sources)
-        hidden = self.model(ids, v.batch(inputs.query_lens, inputs.context_lens), self.kv.tensors)
+        hidden = self.model(ids, v.batch(inputs.query_lens, inputs.context_lens, inputs.verify), self.kv.tensors)
         logits = self.model.compute_logits(hidden[v.logits_indices])
         cu = [0, *itertools.accumulate(inputs.query_lens)]  # host values: reading cu_seqlens back would sync
         prompt_logits = {i: self.model.compute_logits(hidden[cu[i] : cu[i] + n]) for i, n in prompt_rows.items()}

@@ -71,6 +71,10 @@ class Request:
     output: CompletionState | None = None  # text, stop holdback and what was sent
     matcher: StructuredMatcher | None = None  # structured outputs: the grammar state
     prompt_counted: bool = False  # its prompt is in EngineStats.prompt_tokens
+    # speculative decoding: the drafts its next step verifies (the engine's proposer writes them) and its
+    # row of 1+K state slots (the cache manager's; state_slot is the column holding the current state)
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_slots: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.metrics is None:

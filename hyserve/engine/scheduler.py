@@ -9,11 +9,16 @@ Pages, slots and prefix hits come from the cache manager alone.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from hyserve.config import EngineConfig
 from hyserve.engine.kv_cache import KVCacheManager
 from hyserve.engine.request import Request, RequestStatus
+from hyserve.spec_decode.scheduling import verify_len
+
+SeqKind = Literal["prefill", "decode", "verify"]
 
 
 @dataclass
@@ -22,15 +27,26 @@ class ScheduledSeq:
     num_new_tokens: int
     start: int  # req.num_computed_tokens when scheduled
     fresh: bool = True  # the chunk starts from a zero KDA state (req.fresh_state when scheduled)
+    # speculative decoding: the drafts this step verifies after the last token (num_new_tokens = 1 + drafts)
+    draft_ids: Sequence[int] = ()
 
     @property
     def end(self) -> int:
         return self.start + self.num_new_tokens
 
     @property
+    def kind(self) -> SeqKind:
+        """What the step does for the sequence, from its progress and drafts, never from its query length
+        (a one-token prompt tail is a prefill, vllm#55178)."""
+        if self.draft_ids:
+            return "verify"
+        return "prefill" if self.start < self.req.num_prompt_tokens else "decode"
+
+    @property
     def samples(self) -> bool:
-        """The chunk reaches the last known token, so its last position yields the next token."""
-        return self.end == self.req.num_tokens
+        """The chunk reaches the last known token, so its last position yields the next token (a verify row's
+        drafts come after it)."""
+        return self.end - len(self.draft_ids) == self.req.num_tokens
 
 
 @dataclass
@@ -85,6 +101,8 @@ class Scheduler:
             if len(req.output_token_ids) + req.num_pending >= req.max_tokens:
                 continue  # async scheduling: its last token is still on the device; it ends when that lands
             n = min(req.num_tokens - req.num_computed_tokens, budget, cap)
+            if req.spec_token_ids:  # a decode with drafts: its last token and up to k drafts
+                n = verify_len(req, budget, self.cfg.max_model_len)
             while not (granted := self.kv.allocate_slots(req, n)):
                 victim = self._victim()
                 self._preempt(victim, out)
@@ -92,7 +110,8 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.seqs.append(ScheduledSeq(req, granted, req.num_computed_tokens, req.fresh_state))
+                drafts = req.spec_token_ids[: granted - 1] if req.spec_token_ids else ()  # a chunk limit cuts them
+                out.seqs.append(ScheduledSeq(req, granted, req.num_computed_tokens, req.fresh_state, drafts))
                 budget -= granted
         if out.preempted:
             return out  # memory is short: admit nothing new this step
@@ -122,6 +141,7 @@ class Scheduler:
         self.running.remove(req)
         out.seqs = [s for s in out.seqs if s.req is not req]
         self.kv.free(req)
+        req.spec_token_ids = []  # it prefills again; drafts come after its next sampled token
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1

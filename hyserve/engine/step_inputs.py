@@ -30,7 +30,7 @@ import torch
 
 from hyserve.engine.request import Request
 from hyserve.engine.scheduler import ScheduledSeq
-from hyserve.models.batch import Batch, to_device
+from hyserve.models.batch import Batch, VerifyRows, to_device
 
 
 @dataclass
@@ -97,9 +97,13 @@ class StepViews:
     fresh_state: torch.Tensor
     block_tables: torch.Tensor
 
-    def batch(self, query_lens: list[int], context_lens: list[int]) -> Batch:
+    def batch(self, query_lens: list[int], context_lens: list[int], verify: VerifyInputs | None = None) -> Batch:
+        rows = None
+        if verify is not None:
+            dev = self.cu_seqlens.device
+            rows = VerifyRows(verify.seqs, to_device(verify.slot_table, torch.long, dev), to_device(verify.src, torch.long, dev))
         return Batch(query_lens, context_lens, self.cu_seqlens, self.positions, self.block_tables, self.slot_mapping,
-                     self.state_slots, self.fresh_state, context_lens_device=self.context_lens)
+                     self.state_slots, self.fresh_state, context_lens_device=self.context_lens, verify=rows)
 
 
 @dataclass
@@ -110,6 +114,7 @@ class StepInputs:
     context_lens: list[int]
     sample_rows: list[int]  # indices into the step's seqs of the sequences that sample a token
     pending: bool  # some id comes from the previous step's device tensor
+    verify: VerifyInputs | None = None  # speculative decoding: the step's verify sequences
 
 
 @dataclass(frozen=True)
@@ -138,6 +143,7 @@ class _Rows:
     def __init__(self, seqs: list[ScheduledSeq]):
         self.q, self.ctx, self.tables, self.slots, self.fresh, self.rows, self.ids = [], [], [], [], [], [], []
         self.pending: list[tuple[int, Request]] = []  # (token index, request) of ids still on the device
+        self.verify: list[int] = []  # the verify sequences (speculative decoding)
         at = 0
         for i, s in enumerate(seqs):
             req, k, start = s.req, s.num_new_tokens, s.start
@@ -145,22 +151,50 @@ class _Rows:
             known = len(prompt) + len(outs)
             if k == 1:  # a decode (the common row): its one id, 0 as a pending token's placeholder
                 self.ids.append(0 if start >= known else prompt[start] if start < len(prompt) else outs[start - len(prompt)])
+            elif s.draft_ids:  # a verify row: the last token, then the drafts (ids the sequence does not hold yet)
+                self.verify.append(i)
+                end -= len(s.draft_ids)
+                self.ids += _known_ids(req, start, end) + list(s.draft_ids)
             else:
                 chunk = _known_ids(req, start, end)
                 self.ids += chunk + [0] * (k - len(chunk))
             at += k
             if end > known:
-                if end != known + 1:
+                if end != known + 1 or s.draft_ids:
                     raise RuntimeError(f"request {req.request_id}: a scheduled token's id is not known")
                 self.pending.append((at - 1, req))
             if end == known + req.num_pending:  # the chunk reaches the last token: it samples
                 self.rows.append(i)
             self.q.append(k)
-            self.ctx.append(end)
+            self.ctx.append(start + k)
             self.tables.append(req.block_ids)
             self.slots.append(req.state_slot)
             self.fresh.append(s.fresh)
         self.num_tokens = at
+
+
+@dataclass
+class VerifyInputs:
+    """The verify sequences of a step (host values): their indices among the step's sequences, each one's row
+    of 1+K state slots and the column holding its current state (docs/speculative_decoding.md)."""
+
+    seqs: list[int]
+    slot_table: list[list[int]]
+    src: list[int]
+    logit_counts: list[int]  # logits rows of each sampling sequence: 1 + its drafts
+
+    @classmethod
+    def of(cls, seqs: list[ScheduledSeq], r: _Rows) -> VerifyInputs:
+        reqs = [seqs[i].req for i in r.verify]
+        return cls(r.verify, [q.spec_slots for q in reqs], [q.spec_slots.index(q.state_slot) for q in reqs],
+                   [1 + len(seqs[i].draft_ids) for i in r.rows])
+
+
+def _verify_logits(v: StepViews, r: _Rows, spec: VerifyInputs) -> None:
+    """Logits at each of a verify sequence's 1+k positions (one per draft, then the bonus row)."""
+    counts = np.asarray(spec.logit_counts, dtype=np.int64)
+    first = v.cu_seqlens[1:][r.rows] - counts
+    v.logits_indices[:] = np.repeat(first, counts) + np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 def build_step_inputs(seqs: list[ScheduledSeq], block_size: int, pending: PendingTokens | None = None, *,
@@ -173,7 +207,9 @@ def build_step_inputs(seqs: list[ScheduledSeq], block_size: int, pending: Pendin
     n = pad.rows if pad is not None else m
     t = n if pad is not None else r.num_tokens
     w = width or max(map(len, r.tables), default=1) or 1
-    layout = StepLayout(t, n, len(r.rows) if sampled else 0, w)
+    spec = VerifyInputs.of(seqs, r) if r.verify else None
+    num_logits = (sum(spec.logit_counts) if spec is not None else len(r.rows)) if sampled else 0
+    layout = StepLayout(t, n, num_logits, w)
     flat = torch.empty(layout.words, dtype=torch.long, pin_memory=pin)
     v = layout.views(flat.numpy())
     v.block_tables.fill(-1)
@@ -192,7 +228,9 @@ def build_step_inputs(seqs: list[ScheduledSeq], block_size: int, pending: Pendin
         pos = np.repeat(v.context_lens[:m] - qa - v.cu_seqlens[:m], qa) + np.arange(r.num_tokens)
     v.positions[: r.num_tokens] = pos
     v.slot_mapping[: r.num_tokens] = v.block_tables[seq_of, pos // block_size] * block_size + pos % block_size
-    if sampled:
+    if sampled and spec is not None:
+        _verify_logits(v, r, spec)
+    elif sampled:
         v.logits_indices[:] = v.cu_seqlens[1:][r.rows] - 1
     if pad is not None:  # decode steps only: one token per row
         v.context_lens[m:], v.state_slots[m:], v.fresh_state[m:] = 1, pad.scratch_slot, True
@@ -206,4 +244,4 @@ def build_step_inputs(seqs: list[ScheduledSeq], block_size: int, pending: Pendin
         if pending is None or req not in pending.rows:
             raise RuntimeError(f"request {req.request_id}: a scheduled token's id is not known")
         v.id_sources[at] = pending.rows[req]
-    return StepInputs(flat, layout, r.q, r.ctx, r.rows, bool(r.pending))
+    return StepInputs(flat, layout, r.q, r.ctx, r.rows, bool(r.pending), spec)

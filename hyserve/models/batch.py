@@ -73,6 +73,17 @@ class CacheTensors:
 
 
 @dataclass
+class VerifyRows:
+    """The verify sequences of a speculative step (docs/speculative_decoding.md): KDA layers run them
+    through ops/kda_verify.py, from the state in column `src` of their slot row, the state after each token
+    into its own column."""
+
+    seqs: list[int]  # indices of the verify sequences among the step's
+    slot_table: torch.Tensor  # [Nv, 1+K] long
+    src: torch.Tensor  # [Nv] long
+
+
+@dataclass
 class Batch:
     query_lens: list[int]
     context_lens: list[int]  # tokens of the sequence in the cache after this step
@@ -85,6 +96,7 @@ class Batch:
     # context_lens on the device, built once per step (GPU kernels read it; every MLA layer building its
     # own would cost a host-to-device copy per layer)
     context_lens_device: torch.Tensor  # [N] long
+    verify: VerifyRows | None = None  # speculative steps only
 
     @property
     def num_seqs(self) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -158,3 +159,41 @@ def _check_type(key: str, v: Any) -> None:
         ok = all(isinstance(r, (int, float)) and not isinstance(r, bool) for r in v)
     if not ok:
         raise ValueError(f"speculative config '{key}' must be {what}, got {json.dumps(v)}")
+
+
+def check_for_engine(value: str | dict[str, Any] | SpeculativeConfig, cfg: Any) -> SpeculativeConfig:
+    """The parsed config of `EngineConfig.speculative_config`, refusing by name what the engine does not
+    build yet (a refusal, never a silent fallback to plain decoding). `cfg` is the EngineConfig. A dspark
+    config without num_speculative_tokens gets the drafter's block size."""
+    spec = value if isinstance(value, SpeculativeConfig) else parse_speculative_config(value)
+    if spec.method == "dspark":
+        spec = _check_dspark(spec, cfg)
+    elif spec.draft_sample_method != "greedy":
+        raise ValueError("draft_sample_method 'probabilistic' needs a drafter with a distribution; n-gram drafts "
+                         "are one-hot (leave it 'greedy')")
+    if cfg.tensor_parallel_size > 1:
+        raise ValueError("speculative decoding is not supported with tensor_parallel_size > 1 yet")
+    budget = cfg.max_num_batched_tokens
+    if budget is not None and spec.num_speculative_tokens + 1 > budget:
+        raise ValueError(f"num_speculative_tokens + 1 ({spec.num_speculative_tokens + 1}) exceeds "
+                         f"max_num_batched_tokens ({budget}): a verify step could never be scheduled")
+    return spec
+
+
+def _check_dspark(spec: SpeculativeConfig, cfg: Any) -> SpeculativeConfig:
+    if spec.confidence_threshold is not None:
+        raise ValueError("confidence_threshold (confidence-scheduled verification) is not served by the engine yet")
+    if cfg.enable_prefix_caching:
+        raise ValueError("speculative method 'dspark' is served without prefix caching for now (a prefix hit skips "
+                         "the target features the drafter's context needs): add --no-enable-prefix-caching")
+    path = os.path.join(spec.model, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"speculative model {spec.model!r}: no config.json there (a DSpark drafter directory)")
+    with open(path) as f:
+        block = json.load(f).get("block_size")
+    k = spec.num_speculative_tokens
+    if not isinstance(block, int) or block < 1:
+        raise ValueError(f"speculative model {spec.model!r}: its config.json has no block_size")
+    if k is not None and k > block:
+        raise ValueError(f"num_speculative_tokens ({k}) exceeds the drafter's block size ({block})")
+    return dataclasses.replace(spec, num_speculative_tokens=k or block)

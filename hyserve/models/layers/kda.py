@@ -6,13 +6,16 @@ sequences. Both read and write the sequence's state slot in place (conv tail + f
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
-from hyserve.models.batch import Batch, CacheTensors
+from hyserve.models.batch import Batch, CacheTensors, VerifyRows, to_device
 from hyserve.models.config import ModelConfig
 from hyserve.models.layers.norm import gated_rms_norm, l2_normalize
 from hyserve.ops import kda as kda_ops
+from hyserve.ops import kda_verify
 from hyserve.ops.kernel_plan import KernelPlan, active
 
 
@@ -50,7 +53,8 @@ class KimiDeltaAttention(nn.Module):
         plan = active(plan)
         if plan.train_fla:
             return self.train_forward(x, batch)
-        if plan.kda_kernels(batch.decode_only):
+        # verify rows (speculative decoding) run on the reference path (ops/kda_verify.py)
+        if batch.verify is None and plan.kda_kernels(batch.decode_only):
             from hyserve.models.layers.kda_fast import kda_forward_fast
 
             return kda_forward_fast(self, x, batch, cache, plan)
@@ -67,9 +71,12 @@ class KimiDeltaAttention(nn.Module):
         if decode:
             self._decode(decode, qkv, g, beta, o, batch, conv_pool, rec_pool)
         cu = batch.cu_seqlens_host
+        verify = batch.verify.seqs if batch.verify is not None else ()
         for i, n in enumerate(qlens):
-            if n > 1:
+            if n > 1 and i not in verify:
                 self._prefill(i, slice(cu[i], cu[i + 1]), qkv, g, beta, o, batch, conv_pool, rec_pool)
+        if verify:
+            self._verify(batch.verify, qkv, g, beta, o, cu, conv_pool, rec_pool)
 
         gate = self.output_gate(x).view(t, h, k)
         out = gated_rms_norm(o, gate, self.o_norm_weight, self.eps).reshape(t, h * k)
@@ -122,6 +129,17 @@ class KimiDeltaAttention(nn.Module):
         o[tok] = out
         conv_pool[slots] = new_tails.to(conv_pool.dtype)
         rec_pool[slots] = new_states
+
+    def _verify(self, rows: VerifyRows, qkv, g, beta, o, cu: list[int], conv_pool, rec_pool) -> None:
+        """Each verify sequence from the state in column src of its slot row, the state after each of its
+        tokens into its own column (a rejected token's state is never read again)."""
+        lens = [cu[i + 1] - cu[i] for i in rows.seqs]
+        tok = to_device([t for i in rows.seqs for t in range(cu[i], cu[i + 1])], torch.long, qkv.device)
+        vcu = to_device([0, *itertools.accumulate(lens)], torch.long, qkv.device)
+        y = kda_verify.conv_verify(qkv[tok], self.conv_weight, conv_pool, rows.slot_table, rows.src, vcu)
+        q, kk, v = self._split_qkv(y)
+        o[tok] = kda_verify.recurrent_verify(q, kk, v, g[tok], beta[tok], rec_pool, rows.slot_table, rows.src, vcu,
+                                             self.head_dim**-0.5)
 
     def _prefill(self, i, sl, qkv, g, beta, o, batch, conv_pool, rec_pool) -> None:
         slot = int(batch.state_slots[i])

@@ -1,0 +1,122 @@
+"""DSpark drafting inside the engine loop, on the reference path (docs/speculative_decoding.md §2).
+
+The target's features are read by forward hooks (`target_features.tap_features`) around every step's
+forward; the drafter's context rows of a request are kept by `DSparkProposer` (host-side, per request)
+and extended with the rows of computed positions only: a prefill chunk or plain decode adds all of its
+positions at once, a verify step only the positions of its accepted drafts, after rejection sampling.
+A request drafts once the rows of every token before its last one exist. The paged drafter rows, the
+aux hidden states from the model forward and the on-device proposer of §3 are the fast path still to come;
+this one needs eager steps (hooks do not fire in a CUDA-graph replay) and no prefix caching (a hit skips
+the target features of its cached tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from hyserve.spec_decode.config import SpeculativeConfig
+from hyserve.spec_decode.dspark_io import load_drafter
+from hyserve.spec_decode.dspark_propose import DSparkProposer
+from hyserve.spec_decode.engine_step import SpecDecoder
+from hyserve.spec_decode.target_features import feature_modules, tap_features
+
+if TYPE_CHECKING:
+    from hyserve.engine.model_runner import ModelRunner, StepLogits
+    from hyserve.engine.request import Request
+    from hyserve.engine.scheduler import ScheduledSeq, SchedulerOutput
+    from hyserve.engine.step_inputs import PendingTokens
+
+
+class DSparkDecoder(SpecDecoder):
+    def __init__(self, spec: SpeculativeConfig, max_model_len: int, model: torch.nn.Module, eager: bool, scheduler):
+        super().__init__(spec, max_model_len)
+        self.scheduler = scheduler
+        if not eager:
+            raise ValueError("speculative method 'dspark' reads the target's features through forward hooks, "
+                             "which a CUDA-graph replay does not run: add --enforce-eager")
+        drafter = load_drafter(spec.model, model)
+        try:
+            feature_modules(model, drafter.config.target_layer_ids)
+        except NotImplementedError as e:
+            raise ValueError(f"speculative method 'dspark' needs a K3 target: {e}") from None
+        self.model, self.layer_ids = model, drafter.config.target_layer_ids
+        self.proposer = DSparkProposer(drafter, spec.num_speculative_tokens)
+        self.probs: dict[str, torch.Tensor] = {}  # request -> [k, V] the distributions of its drafts
+        self._verify_rows: dict[Request, tuple[torch.Tensor, int]] = {}  # its features and first position
+
+    def execute(self, runner: ModelRunner, out: SchedulerOutput, pending: PendingTokens | None) -> StepLogits:
+        """The step's forward with the target features tapped; the rows of every computed position but
+        verify rows' go to the drafter's context now, verify rows' wait for the accepted count."""
+        self.forget(self.scheduler.running + self.scheduler.waiting)
+        with tap_features(self.model, self.layer_ids) as tap:
+            logits = runner.execute(out, pending)
+        feats, at = tap.features(), 0
+        for s in out.seqs:
+            rows, at = feats[at : at + s.num_new_tokens], at + s.num_new_tokens
+            if s.draft_ids:
+                self._verify_rows[s.req] = (rows, s.start)
+            else:
+                self._add(s.req, rows, s.start)
+        return logits
+
+    def _add(self, req: Request, rows: torch.Tensor, start: int) -> None:
+        self.proposer.truncate(req.request_id, start)  # a preempted request computes again from 0
+        pos = torch.arange(start, start + rows.shape[0], device=rows.device)
+        self.proposer.add_context(req.request_id, rows, pos)
+
+    def after_verify(self, seqs: Sequence[ScheduledSeq]) -> None:
+        """The accepted positions' rows join the context before drafting, so the request drafts again at once."""
+        for s in seqs:
+            rows, start = self._verify_rows.pop(s.req, (None, 0))
+            if rows is not None and not s.req.is_finished:
+                self._add(s.req, rows[: s.req.num_computed_tokens - start], start)
+        self._verify_rows.clear()
+        super().after_verify(seqs)
+
+    def propose(self, reqs: Sequence[Request]) -> None:
+        for r in reqs:
+            r.spec_token_ids = []
+            self.probs.pop(r.request_id, None)
+        ctx = self.proposer.num_context
+        live = [r for r in reqs if not r.is_finished and r.matcher is None and not r.num_pending
+                and ctx(r.request_id) == r.num_tokens - 1 and r.output_token_ids]
+        for r in reqs:
+            if r.is_finished:
+                self.proposer.free(r.request_id)
+        if not live:
+            return
+        anchors = torch.tensor([r.output_token_ids[-1] for r in live], device=self.model.lm_head.weight.device)
+        probabilistic = self.config.draft_sample_method == "probabilistic"
+        temps = [0.0 if r.params.is_greedy else r.params.temperature for r in live] if probabilistic else None
+        block = self.proposer.propose([r.request_id for r in live], anchors, temps, [r.generator for r in live])
+        room = self.proposer.k
+        for i, r in enumerate(live):
+            n = max(0, min(room, self.proposer.drafter.config.max_position_embeddings - r.num_tokens))
+            r.spec_token_ids = block.token_ids[i, :n].tolist()
+            if block.probs is not None:
+                self.probs[r.request_id] = block.probs[i, :n]
+
+    def draft_probs(self, seqs: Sequence[ScheduledSeq], vocab: int) -> torch.Tensor | None:
+        """[sum k, V] the distributions the step's drafts were drawn from; None when all are one-hot."""
+        if not any(s.req.request_id in self.probs for s in seqs if s.draft_ids):
+            return None
+        parts = []
+        for s in seqs:
+            if not s.draft_ids:
+                continue
+            q = self.probs.get(s.req.request_id)
+            if q is None:  # greedy: the draft was the argmax
+                q = torch.nn.functional.one_hot(torch.tensor(list(s.draft_ids)), vocab).float()
+            parts.append(q[: len(s.draft_ids)].to(self.model.lm_head.weight.device))
+        return torch.cat(parts)
+
+    def forget(self, running: Sequence[Request]) -> None:
+        """Drop the rows of requests that left (finished or aborted)."""
+        keep = {r.request_id for r in running}
+        for rid in [r for r in self.proposer.rows if r not in keep]:
+            self.proposer.free(rid)
+            self.probs.pop(rid, None)
+
