@@ -29,6 +29,7 @@ from hyserve.engine.sampler import (
     SamplerOutput,
     SamplingMetadata,
     compute_prompt_logprobs,
+    grammar_mask,
     logprob_dicts,
 )
 from hyserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
@@ -417,7 +418,8 @@ class LLMEngine:
             [r.params for r in reqs], outputs, [r.prompt_token_ids for r in reqs],
             [r.generator for r in reqs], self.device, self.eos_token_ids, self.model_config.vocab_size,
         )
-        return self.sampler(logits, meta, self._allowed_mask(reqs, logits))
+        constrained = [(j, r) for j, r in enumerate(reqs) if r.matcher is not None]
+        return self.sampler(logits, meta, grammar_mask(constrained, logits))
 
     def _land(self, flight: _Launched) -> None:
         """Read the sampled tokens back and apply them: outputs, logprobs, detokenizing, stop checks."""
@@ -462,16 +464,6 @@ class LLMEngine:
         if req.output.detok is not None:
             req.output.text += req.output.detok.step(tok)
         return check_stop(req, tok, self.eos_token_ids, self.max_model_len)
-
-    def _allowed_mask(self, reqs: list[Request], logits: torch.Tensor) -> torch.Tensor | None:
-        """Structured outputs: rows whose request carries a grammar matcher get its allowed-token mask."""
-        rows = [(j, r) for j, r in enumerate(reqs) if r.matcher is not None]
-        if not rows:
-            return None
-        mask = torch.ones_like(logits, dtype=torch.bool)
-        for j, r in rows:
-            mask[j] = r.matcher.allowed_mask(logits.shape[1]).to(mask.device)
-        return mask
 
     def _decode_logprobs(self, rows: list[dict[int, Logprob]]) -> list[dict[int, Logprob]]:
         if self.tokenizer is None:

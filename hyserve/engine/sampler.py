@@ -31,6 +31,17 @@ def seeded_generator(seed: int, device: torch.device | str) -> torch.Generator:
     return generator
 
 
+def grammar_mask(rows: Sequence[tuple[int, object]], logits: Tensor) -> Tensor | None:
+    """The allowed-token mask of structured outputs: logits row j of each (j, request with a grammar matcher)
+    takes its matcher's mask, every other row allows all; None when no row is constrained."""
+    if not rows:
+        return None
+    mask = torch.ones_like(logits, dtype=torch.bool)
+    for j, req in rows:
+        mask[j] = req.matcher.allowed_mask(logits.shape[1]).to(mask.device)
+    return mask
+
+
 def _padded(rows: Sequence[Sequence[int]], device: torch.device | str) -> Tensor:
     width = max(1, max((len(r) for r in rows), default=0))
     data = [list(r) + [_PAD] * (width - len(r)) for r in rows]

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hyserve.engine.sampler import grammar_mask
 from hyserve.spec_decode.config import SpeculativeConfig
 from hyserve.spec_decode.ngram import NgramProposer
 from hyserve.spec_decode.reference_loop import SpecStats
@@ -124,9 +125,4 @@ def _allowed_mask(seqs: Sequence[ScheduledSeq], logits: torch.Tensor) -> torch.T
         if s.req.matcher is not None:
             rows.append((at, s.req))
         at += 1 + len(s.draft_ids)
-    if not rows:
-        return None
-    mask = torch.ones_like(logits, dtype=torch.bool)
-    for j, r in rows:
-        mask[j] = r.matcher.allowed_mask(logits.shape[1]).to(mask.device)
-    return mask
+    return grammar_mask(rows, logits)
