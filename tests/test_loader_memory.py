@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from loader_util import write_medium_checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -22,13 +23,6 @@ from hyserve.models.presets import preset_config
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
-
-# about 340 MB of bf16 weights in 4 shards of at most 100 MB (the largest tensor, lm_head, is 67 MB)
-_MEDIUM = dict(vocab_size=32768, hidden_size=1024, intermediate_size=2048, num_experts=16, moe_intermediate_size=512,
-               num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=256, qk_nope_head_dim=64,
-               qk_rope_head_dim=32, v_head_dim=64, dtype="bfloat16",
-               linear_attn_config={"num_heads": 8, "head_dim": 128, "short_conv_kernel_size": 4,
-                                   "kda_layers": [1, 2, 3], "full_attn_layers": [4]})
 
 # Run in a fresh process so its peak resident size is the loader's alone. A first small load pays torch's
 # one-time start-up costs (thread pools, dispatch tables) before the measurement starts.
@@ -48,12 +42,7 @@ print(json.dumps({"increase": peak - before, "weights": sum(p.numel() * p.elemen
 
 @pytest.fixture(scope="module")
 def medium_checkpoint(tmp_path_factory) -> Path:
-    raw = dict(preset_config("kimi-linear-tiny"), **_MEDIUM)
-    model = build_model(parse_config(raw), torch.bfloat16, "cpu")
-    random_init(model, seed=0)
-    out = tmp_path_factory.mktemp("medium")
-    write_checkpoint(model, raw, str(out), torch.bfloat16, shard_bytes=100_000_000)
-    return out
+    return write_medium_checkpoint(tmp_path_factory.mktemp("medium"))
 
 
 def _measure(path: Path, load_format: str) -> dict:

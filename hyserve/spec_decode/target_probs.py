@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from hyserve.engine.sampler import SamplingMetadata, apply_min_p, apply_penalties, apply_top_k_top_p
+from hyserve.engine.sampler import SamplingMetadata, greedy_logits, sampling_logits
 from hyserve.sampling_params import SamplingParams
 
 
@@ -58,22 +58,5 @@ def row_metadata(
 
 def process_logits(logits: Tensor, m: SamplingMetadata, allowed_token_mask: Tensor | None = None) -> ProcessedLogits:
     """logits [R, V] (not modified) through the sampler's processing, without drawing."""
-    x = logits.to(torch.float32, copy=True)
-    if allowed_token_mask is not None:
-        x.masked_fill_(~allowed_token_mask, float("-inf"))
-    raw = x.log_softmax(dim=-1) if m.max_num_logprobs is not None else None
-    if m.bias_rows is not None:
-        x.index_put_((m.bias_rows, m.bias_token_ids), m.bias_values, accumulate=True)
-    if m.masked_rows is not None:
-        x[m.masked_rows, m.masked_token_ids] = float("-inf")
-    if m.output_token_ids is not None:
-        x = apply_penalties(x, m.output_token_ids, m.prompt_token_ids, m.presence_penalty,
-                            m.frequency_penalty, m.repetition_penalty)
-    if m.all_greedy:
-        return ProcessedLogits(raw, x, None)
-    s = x / m.temperature.unsqueeze(1)
-    if m.min_p is not None:
-        s = apply_min_p(s, m.min_p)
-    if m.top_k is not None or m.top_p is not None:
-        s = apply_top_k_top_p(s, m.top_k, m.top_p, m.max_top_k)
-    return ProcessedLogits(raw, x, s)
+    x, raw = greedy_logits(logits, m, allowed_token_mask, copy=True)
+    return ProcessedLogits(raw, x, None if m.all_greedy else sampling_logits(x, m))

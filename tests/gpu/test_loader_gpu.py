@@ -5,30 +5,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from loader_util import write_medium_checkpoint
 
-from hyserve.models.checkpoint_writer import write_checkpoint
-from hyserve.models.config import parse_config
-from hyserve.models.loader import build_model, load_model, random_init
-from hyserve.models.presets import preset_config
+from hyserve.models.loader import load_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 MIB = 1 << 20
-# about 340 MB of bf16 weights in shards of at most 100 MB
-_MEDIUM = dict(vocab_size=32768, hidden_size=1024, intermediate_size=2048, num_experts=16, moe_intermediate_size=512,
-               num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=256, qk_nope_head_dim=64,
-               qk_rope_head_dim=32, v_head_dim=64, dtype="bfloat16",
-               linear_attn_config={"num_heads": 8, "head_dim": 128, "short_conv_kernel_size": 4,
-                                   "kda_layers": [1, 2, 3], "full_attn_layers": [4]})
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    raw = dict(preset_config("kimi-linear-tiny"), **_MEDIUM)
-    model = build_model(parse_config(raw), torch.bfloat16, "cpu")
-    random_init(model, seed=0)
-    out = tmp_path_factory.mktemp("medium")
-    write_checkpoint(model, raw, str(out), torch.bfloat16, shard_bytes=100_000_000)
-    return out
+    return write_medium_checkpoint(tmp_path_factory.mktemp("medium"))
 
 
 def _load(path, load_format: str):
