@@ -193,8 +193,9 @@ class VerifyInputs:
 def _verify_logits(v: StepViews, r: _Rows, spec: VerifyInputs) -> None:
     """Logits at each of a verify sequence's 1+k positions (one per draft, then the bonus row)."""
     counts = np.asarray(spec.logit_counts, dtype=np.int64)
-    first = v.cu_seqlens[1:][r.rows] - counts
-    v.logits_indices[:] = np.repeat(first, counts) + np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+    first = v.cu_seqlens[1:][r.rows] - counts  # each sampling sequence's last 1+k positions
+    within = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)  # 0..c-1 per sequence
+    v.logits_indices[:] = np.repeat(first, counts) + within
 
 
 def build_step_inputs(seqs: list[ScheduledSeq], block_size: int, pending: PendingTokens | None = None, *,
