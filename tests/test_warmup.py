@@ -103,6 +103,16 @@ def test_the_ladder_stays_within_max_model_len_and_the_lendable_pages(make_engin
     assert [s for s in plan if s.rung == 64][0].query_lens == (32, 32)  # a 64-token prefill over two sequences
 
 
+def test_one_sequence_engines_warm_up_without_mixed_steps(make_engine):
+    # a mixed step holds the chunk's sequence beside the decodes: it needs two state slots
+    engine = make_engine(warmup=False, max_num_batched_tokens=48, max_num_seqs=1)
+    for graphs in (True, False):
+        plan = plan_warmup(engine.cfg, engine.max_model_len, engine.kv, decode_graphs=graphs)
+        assert plan and max(len(s.query_lens) for s in plan) == 1
+    warm = make_engine(warmup=True, max_num_batched_tokens=48, max_num_seqs=1)
+    warm.kv.check_empty()
+
+
 def test_the_warmup_is_on_by_default_for_cuda_only():
     from hyserve.config import EngineConfig, resolve_config
 

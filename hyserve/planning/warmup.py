@@ -72,7 +72,7 @@ def _rung(t: int, longest: int, seqs: int, short: int) -> list[WarmupStep]:
         steps.append(WarmupStep((t,), (cached + t,), f"prefill {t} over {cached} cached", t))
     for d, ctx in ((1, longest), (min(seqs - 1, t // 2), short)):
         q = t - d
-        if d < 1 or q < 2 or q >= longest:
+        if d < 1 or d + 1 > seqs or q < 2 or q >= longest:  # the chunk's sequence needs a slot of its own
             continue
         cached = min(q, longest - q)
         label = f"prefill {q} over {cached} cached + {d} decode{'s' * (d > 1)} over {ctx}"
