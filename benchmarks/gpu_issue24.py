@@ -8,7 +8,8 @@ users run: `hyserve serve` (+ the bench client) and `LLM(...)`.
    Triton cache of its own that starts empty (what a first start on a machine pays): seconds until /health
    answers and the engine's phases ("load", "warm-up", "graph capture", ...). Against each server, in
    order: a first 1K prompt, three more (steady state), a first 8K prompt, three more; TTFT of each, the
-   first against the median of the steady ones (target: within 1.5x).
+   first against the median of the steady ones (target: within 1.5x), and the server's count of Triton kernel
+   variants compiled after ready (/metrics; the server log names each, copied to $OUT).
 2. Cold prefill TTFT (no prefix hit) at 8K and 32K on the warmed server (targets 200 ms and 1.0 s).
 3. The step-cost table (benchmarks/gpu_step_cost.py) through `LLM(...)`, with the warmed server's cache.
 Every prompt is random token ids no earlier request shares. Phases stop early, with a note, when the
@@ -66,6 +67,15 @@ async def ttft_ms(url: str, model: str, prompt: list[int]) -> float:
     return r.ttft * 1e3
 
 
+def compiled_after_ready(url: str) -> int:
+    """The server's `hyserve:kernels_compiled_after_ready` counter (planning/compile_watch.py)."""
+    import httpx
+
+    m = re.search(r"^hyserve:kernels_compiled_after_ready(?:_total)?(?:\{[^}]*\})? ([\d.e+]+)$",
+                  httpx.get(url + "/metrics", timeout=30.0).text, re.M)
+    return int(float(m.group(1))) if m else -1
+
+
 class Prompts:
     """Random token ids, never repeated across calls (no prefix hit between any two)."""
 
@@ -92,22 +102,30 @@ def serve_run(args, warmup: bool, cache: Path, prompts: Prompts, cold_sizes: tup
         say(f"{'warm-up' if warmup else 'no warm-up'}: healthy after {out['healthy_s']:.1f} s {out['phases']}")
         for n in (args.small, args.large):
             first = asyncio.run(ttft_ms(url, args.model, prompts(n)))
+            compiled = compiled_after_ready(url)  # cumulative: after the first 1K, then after the first 8K
             steady = [asyncio.run(ttft_ms(url, args.model, prompts(n))) for _ in range(args.repeats)]
             out[n] = (first, statistics.median(steady))
-            say(f"  {n} tokens: first TTFT {first:.0f} ms, steady {out[n][1]:.0f} ms")
+            out[("compiled", n)] = compiled
+            say(f"  {n} tokens: first TTFT {first:.0f} ms, steady {out[n][1]:.0f} ms; "
+                f"Triton variants compiled after ready so far: {compiled}")
         for n in cold_sizes:
             if left(args) < args.reserve_s:
                 say(f"  cold prefill {n}: skipped, the budget is nearly spent")
                 continue
             out[("cold", n)] = statistics.median(asyncio.run(ttft_ms(url, args.model, prompts(n))) for _ in range(2))
             say(f"  cold prefill {n}: TTFT {out[('cold', n)]:.0f} ms")
+    missed = [line for line in log.read_text().splitlines() if "compiled a kernel after ready" in line]
+    if missed and os.environ.get("OUT"):  # which kernels and shapes the warm-up missed
+        Path(os.environ["OUT"], f"compiled_after_ready_{'warmup' if warmup else 'no_warmup'}.txt").write_text(
+            "\n".join(missed) + "\n")
     return out
 
 
 def startup_table(runs: list[dict], args) -> list[str]:
     rows = ["| server | healthy after | ready after (engine) | phases | first / steady TTFT, "
-            f"{args.small} tokens | ratio | first / steady TTFT, {args.large} tokens | ratio |",
-            "|---|---|---|---|---|---|---|---|"]
+            f"{args.small} tokens | ratio | first / steady TTFT, {args.large} tokens | ratio | "
+            "Triton variants compiled after ready (after the first of each) |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         phases = ", ".join(f"{k} {v:.1f} s" for k, v in r["phases"].items()) or "n/a"
         cells = []
@@ -115,6 +133,7 @@ def startup_table(runs: list[dict], args) -> list[str]:
             first, steady = r.get(n, (None, None))
             cells += [f"{first:.0f} / {steady:.0f} ms", f"{first / steady:.2f}x"] if first else ["n/a", "n/a"]
         ready = f"{r['ready_s']:.1f} s" if r.get("ready_s") is not None else "n/a"
+        cells.append(" / ".join(str(r.get(("compiled", n), "n/a")) for n in (args.small, args.large)))
         rows.append(f"| {'--warmup' if r['warmup'] else '--no-warmup'} | {r['healthy_s']:.1f} s | {ready} | {phases} | "
                     + " | ".join(cells) + " |")
     return rows
@@ -156,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             cold = tuple(int(x) for x in args.cold.split(",")) if warmup else ()
             runs.append(serve_run(args, warmup, cache, prompts, cold))
         tables += startup_table(runs, args) + [""]
-        cold = {k[1]: v for k, v in runs[-1].items() if isinstance(k, tuple)}
+        cold = {k[1]: v for k, v in runs[-1].items() if isinstance(k, tuple) and k[0] == "cold"}
         tables += ["| cold prefill | " + " | ".join(f"{n} tokens" for n in cold) + " |",
                    "|---|" + "---|" * len(cold), "| TTFT (warmed server) | " + " | ".join(f"{v:.0f} ms" for v in cold.values()) + " |", ""]
         notes.append(f"Servers: `hyserve serve {args.model} --max-model-len {args.max_model_len} "

@@ -73,6 +73,8 @@ class _EngineStatsCollector(Collector):
         yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", s.get("prefix_cache_queries", 0))
         yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", s.get("prefix_cache_hits", 0))
         yield counter("vllm:num_preemptions", "Requests preempted.", s.get("num_preemptions", 0))
+        yield counter("hyserve:kernels_compiled_after_ready", "Triton kernel variants compiled after the engine "
+                      "was ready (each one a wait the warm-up did not cover).", s.get("kernels_compiled_after_ready", 0))
         for name, key, doc in POOL_GAUGES:
             if key in s:
                 yield gauge(name, doc, s[key])

@@ -325,7 +325,7 @@ def test_metrics_count_what_was_sent(server, client):
         "vllm:prompt_tokens_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
         "vllm:num_preemptions_total", "vllm:inter_token_latency_seconds_bucket",
         "vllm:request_time_per_output_token_seconds_count", "vllm:e2e_request_latency_seconds_sum",
-        "vllm:cache_config_info"))
+        "vllm:cache_config_info", "hyserve:kernels_compiled_after_ready_total"))
     assert metric(server, "vllm:request_success_total") - before_ok == 3
     assert metric(server, "vllm:generation_tokens_total") - before_gen == 15
     assert metric(server, "vllm:time_to_first_token_seconds_count") - before_ttft == 3

@@ -36,6 +36,7 @@ from hyserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from hyserve.engine.step_inputs import PendingTokens
 from hyserve.models.loader import load_model, resolve_dtype
 from hyserve.outputs import Logprob, OutputAccumulator, RequestDelta, RequestOutput
+from hyserve.planning import compile_watch
 from hyserve.planning.warmup import plan_warmup, run_warmup
 from hyserve.sampling_params import SamplingParams
 from hyserve.spec_decode.engine_step import make_decoder
@@ -80,6 +81,7 @@ class EngineStats:
     prefix_cache_hits: int = 0
     last_step_tokens: int = 0
     spec_decode: SpecStats | None = None  # speculative decoding's counters (None when it is off)
+    kernels_compiled_after_ready: int = 0  # Triton variants built while requests waited (planning/compile_watch.py)
 
 
 @dataclass
@@ -106,6 +108,12 @@ class LLMEngine:
         CPU). `static_decode_buffers` runs them through the graphs' static, padded buffers whatever the
         config says; on the CPU nothing is captured: the path's tests use it. `skip_tokenizer_init`
         (vLLM's): load no tokenizer; prompts are token ids and outputs carry token ids, with empty text."""
+        with compile_watch.watch().starting():  # what compiles from here to ready is the start's own
+            self._start(cfg, model, tokenizer, static_decode_buffers, skip_tokenizer_init)
+        self._compiled_at_ready = compile_watch.watch().after_ready
+
+    def _start(self, cfg: EngineConfig, model, tokenizer: Tokenizer | None, static_decode_buffers: bool,
+               skip_tokenizer_init: bool) -> None:
         self.startup = StartupClock()
         device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
         torch.manual_seed(cfg.seed)
@@ -504,4 +512,5 @@ class LLMEngine:
         self.stats.kv_cache_usage = self.kv.usage
         self.stats.num_preemptions = self.scheduler.num_preemptions
         self.stats.prefix_cache_queries, self.stats.prefix_cache_hits = self.kv.prefix_stats
+        self.stats.kernels_compiled_after_ready = compile_watch.watch().after_ready - self._compiled_at_ready
         return outs
