@@ -5,7 +5,8 @@ graphs as before, which compiles the decode kernels at every ladder batch size.
 
 The shapes (`plan_warmup`), for each token count T of the ladder (powers of two from 2 up to the step
 budget, and the budget itself):
-  - a fresh prefill of T tokens;
+  - a fresh prefill of T tokens, and one of T - 1 (what prefix caching computes first of a T-token prompt:
+    an odd count, which Triton compiles apart);
   - a chunk of T tokens over a cached context (KDA from a state, MLA with the causal offset);
   - a mixed step of T tokens: a chunk over a cached context beside one decode of a long context, and
     beside as many decodes of a short context as the step and the running set allow.
@@ -67,6 +68,11 @@ def _rung(t: int, longest: int, seqs: int, short: int) -> list[WarmupStep]:
     steps = []
     fresh = [min(longest, t - i) for i in range(0, t, longest)][:seqs]
     steps.append(WarmupStep(tuple(fresh), tuple(fresh), f"prefill {t}", t))
+    if 4 <= t <= longest:
+        # under prefix caching a t-token prompt computes t - 1 tokens first (its checkpoint at prompt_len - 1):
+        # an odd count, which Triton compiles apart from even ones (it specializes integer arguments, and
+        # counts derived from them such as the token-expert pairs, on their divisibility by 16)
+        steps.append(WarmupStep((t - 1,), (t - 1,), f"prefill {t - 1}", t))
     if t < longest:
         cached = min(t, longest - t)
         steps.append(WarmupStep((t,), (cached + t,), f"prefill {t} over {cached} cached", t))
