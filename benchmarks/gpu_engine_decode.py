@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import sys
 
 import torch
@@ -40,13 +41,44 @@ def decode_ms(args, n: int, graphs: bool, async_sched: bool = False) -> tuple[fl
     # a short untimed pass first: Triton compiles a kernel on its first call, which an eager engine
     # would otherwise time inside its first decode step (graphs compile theirs at capture)
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
-    _, phases = timed_batch(llm, prompts, params)
-    steps = phases.decode_tokens / n
+    passes = []
+    for _ in range(args.repeats):
+        _, phases = timed_batch(llm, prompts, params)
+        passes.append(phases.decode_seconds / (phases.decode_tokens / n) * 1e3)
+    if args.profile and not graphs:
+        profile_steps(llm, prompts, f"eager, batch {n}")
     del engine, llm  # the LLM holds the engine, and with it the weights and the cache pool
     gc.collect()
     if args.device == "cuda":
         torch.cuda.empty_cache()
-    return phases.decode_seconds / steps * 1e3, captured, model_config
+    args.passes[(n, graphs, async_sched)] = passes
+    return statistics.median(passes), captured, model_config
+
+
+def profile_steps(llm, prompts: list[list[int]], what: str, steps: int = 24) -> None:
+    """A cProfile of `steps` engine steps past the prefill: host work per step, function by function
+    (what an eager step's time is made of; run it on both sides of a comparison)."""
+    import cProfile
+    import pstats
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)  # decoding throughout
+    for i, p in enumerate(prompts):
+        engine.add_request(f"profile-{i}", p, params)
+    while engine.last_step is None or engine.last_step.num_prompt_tokens:
+        engine.step()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    prof.disable()
+    stats = pstats.Stats(prof)
+    print(f"cProfile, {what}: {stats.total_calls / steps:.0f} Python calls per step", flush=True)
+    stats.sort_stats("tottime").print_stats(25)
+    for i in range(len(prompts)):
+        engine.abort_request(f"profile-{i}")
+    while engine.has_unfinished_requests():
+        engine.step()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -55,8 +87,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--batches", default="1,8,64")
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=1, help="timed passes per engine (the median is reported)")
+    p.add_argument("--profile", action="store_true", help="print a cProfile of 24 eager steps per batch size")
     p.add_argument("--no-append", action="store_true", help="print only; leave docs/BENCHMARKS.md alone")
     args = p.parse_args(argv)
+    args.passes = {}
     args.batch_list = [int(b) for b in args.batches.split(",")]
     cuda = args.device == "cuda"
     ceil = None
@@ -81,6 +116,10 @@ def main(argv: list[str] | None = None) -> None:
                      f"{graphed / overlapped:.2f}x | {captured} | {floor} | {ratio} | {ratio_async} |")
     notes = [f"Prompts of {PROMPT} tokens, {args.output_len} output tokens, prefix caching off; host time of the "
              "decode-only steps (scheduler, runner, sampler included)."]
+    if args.repeats > 1:
+        modes = {(False, False): "eager", (True, False): "graphs", (True, True): "graphs + async"}
+        notes.append(f"Median of {args.repeats} timed passes per engine; the passes: " + "; ".join(
+            f"batch {n} {modes[g, a]} " + ", ".join(f"{x:.2f}" for x in v) for (n, g, a), v in args.passes.items()) + ".")
     if ceil is not None:
         notes.append(f"Copy bandwidth in this run: {ceil['copy_tbs']:.2f} TB/s.")
     if args.no_append or not cuda:
