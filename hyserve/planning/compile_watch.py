@@ -28,18 +28,19 @@ class CompileWatch:
         self._ready = False
         self._chained = None
 
-    def __call__(self, *, key=None, repr: str = "", fn=None, compile=None, is_manual_warmup: bool = False,
-                 already_compiled: bool = False):
+    def __call__(self, **hook_kwargs):
+        # Triton's keywords (key, repr, fn, compile, is_manual_warmup, already_compiled) are passed on as
+        # they come, so a release that adds one does not break compilation
         if self._starting or not self._ready:
             self.before_ready += 1
         else:
             self.after_ready += 1
             if self.after_ready <= LOGGED or self.after_ready % 100 == 0:
+                fn = hook_kwargs.get("fn")
                 log.warning("Triton compiled a kernel after ready (%d so far; the warm-up missed this shape): %s",
-                            self.after_ready, repr or getattr(fn, "name", fn))
+                            self.after_ready, hook_kwargs.get("repr") or getattr(fn, "name", fn))
         if self._chained is not None:
-            return self._chained(key=key, repr=repr, fn=fn, compile=compile, is_manual_warmup=is_manual_warmup,
-                                 already_compiled=already_compiled)
+            return self._chained(**hook_kwargs)
         return None
 
     @contextlib.contextmanager
