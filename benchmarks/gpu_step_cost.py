@@ -125,7 +125,9 @@ def step_cost_table(args) -> tuple[list[str], list[str]]:
     else:
         ceil = H200
     need = max(c + p for _, p, c in rows) + args.steps + args.warmup_steps + 16
-    llm = LLM(args.model, device=args.device, max_model_len=need, max_num_seqs=max(b for b, _, _ in rows) + 2,
+    # room beside the B decodes for three chunk requests: under async scheduling a finished one holds its
+    # state slot one step longer, while the next two are in flight (B + 2 planned 2 of 8 steps at B = 64)
+    llm = LLM(args.model, device=args.device, max_model_len=need, max_num_seqs=max(b for b, _, _ in rows) + 4,
               max_num_batched_tokens=max(b + p for b, p, _ in rows) + 2, long_prefill_token_threshold=0)
     engine = llm.engine
     weight_bytes = engine.model.dtype.itemsize
