@@ -96,16 +96,21 @@ def test_ngram_drafts_are_accepted_on_the_embedded_model(make_llm):
     """The trained embedded model continues code the way its prompt does, so the real n-gram drafts are
     often right: outputs equal plain decoding's, sync and async, with drafts accepted."""
     from hyserve.config import DEFAULT_MODEL, EMBEDDED_MODEL_DIR
+    from hyserve.tokenizer import load_tokenizer
 
     if DEFAULT_MODEL != EMBEDDED_MODEL_DIR:
         pytest.skip("no embedded checkpoint shipped")
-    prompt = list(b"def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n")
     params = SamplingParams(max_tokens=48, temperature=0)
     kw = dict(kv_cache_memory_bytes=256 << 20, max_num_seqs=4)
-    plain = run(make_llm(DEFAULT_MODEL, **kw), [prompt, prompt[:40]], params)
+    base = make_llm(DEFAULT_MODEL, **kw)
+    # the checkpoint's own tokenizer (the fixture's engines carry a byte-level one): real code tokens
+    tok = load_tokenizer(EMBEDDED_MODEL_DIR, base.engine.model_config.tokenizer_family)
+    prompt = tok.encode("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n")
+    prompts = [prompt, prompt[: len(prompt) // 2]]
+    plain = run(base, prompts, params)
     for async_ in (False, True):
         llm = make_llm(DEFAULT_MODEL, speculative_config=NGRAM, async_scheduling=async_, **kw)
-        assert run(llm, [prompt, prompt[:40]], params) == plain
+        assert run(llm, prompts, params) == plain
         st = llm.engine.stats.spec_decode
         assert st.num_accepted_tokens > 0.3 * st.num_draft_tokens
 
@@ -515,3 +520,4 @@ def test_dspark_probabilistic_drafts_are_seeded_and_respect_top_k(make_llm, draf
     for o in got:
         for tok, lps in zip(o.outputs[0].token_ids, o.outputs[0].logprobs):
             assert lps[tok].rank <= 3
+

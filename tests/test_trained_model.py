@@ -139,12 +139,8 @@ def test_a_live_server_forced_tool_call_with_thinking_on_names_the_symbol(client
 
 
 # ---- what the model says about itself, and natural tool requests ----------------------------------------
-# Run 6 (the shipped checkpoint) learned the greetings and identity answers, and the one tool-request
-# phrasing the evaluation shares with its training data; the held-out phrasings failed (docs/BENCHMARKS.md).
-# The data now composes its tool requests from parts (small_talk.TOOL_REQUESTS); the retrain that uses it
-# needs a GPU. Strict: once a retrained checkpoint passes, the mark must go.
-_NEEDS_RETRAIN = pytest.mark.xfail(strict=True, reason="run 6 names the symbol for 24% of the requests in "
-                                                       "held-out phrasings: retrain on the composed requests")
+# Run 7 (the shipped checkpoint) trained on tool requests composed from parts (small_talk.TOOL_REQUESTS);
+# the phrasings below are held out of its data (docs/BENCHMARKS.md has the run-by-run rates).
 
 
 @pytest.mark.parametrize("tools", [False, True], ids=["no-tools", "lookup-tool"])
@@ -163,7 +159,6 @@ def test_hello_who_are_you_is_answered_with_what_the_model_is_and_can_do(llm, to
     assert out.finish_reason == "stop" and identity_reply_ok(parsed.content or "", bool(parsed.tool_calls)), parsed
 
 
-@_NEEDS_RETRAIN
 def test_natural_tool_requests_name_the_right_common_symbol_at_least_80_percent_of_the_time():
     from hyserve import LLM
     from hyserve.train.evaluate import tool_phrasing_rate
