@@ -521,3 +521,38 @@ def test_dspark_probabilistic_drafts_are_seeded_and_respect_top_k(make_llm, draf
         for tok, lps in zip(o.outputs[0].token_ids, o.outputs[0].logprobs):
             assert lps[tok].rank <= 3
 
+
+def test_dspark_confidence_threshold_verifies_the_drafts_whose_survival_clears_it(make_llm, drafter_dir):
+    """confidence_threshold: each request verifies the leading drafts whose predicted survival (the running
+    product of the confidence head's outputs) is at least the threshold, and greedy output is unchanged."""
+    from hyserve.spec_decode.confidence import threshold_lengths
+
+    prompts = repetitive_prompts(3, 9)
+    plain = run(make_llm(enable_prefix_caching=False), prompts)
+    spec = {"method": "dspark", "model": drafter_dir, "confidence_threshold": 0.25}
+    llm = make_llm(enable_prefix_caching=False, speculative_config=spec)
+    decoder, expected, got = llm.engine.spec, {}, []
+    original_block, original_propose = decoder.proposer.propose, decoder.propose
+
+    def block_of(req_ids, anchors, temps=None, gens=None):
+        block = original_block(req_ids, anchors, temps, gens)
+        expected.update(zip(req_ids, threshold_lengths(block.confidence, 0.25).tolist()))
+        return block
+
+    def propose(reqs):
+        expected.clear()
+        original_propose(reqs)
+        got.extend((len(r.spec_token_ids), expected[r.request_id]) for r in reqs if r.request_id in expected)
+
+    decoder.proposer.propose, decoder.propose = block_of, propose
+    assert run(llm, prompts) == plain
+    assert got and all(n == want for n, want in got)
+    assert {n for n, _ in got} - {0, decoder.proposer.k}  # the threshold cut some blocks part-way
+
+
+def test_dspark_confidence_threshold_of_one_verifies_nothing(make_llm, drafter_dir):
+    prompts = repetitive_prompts(2, 4)
+    spec = {"method": "dspark", "model": drafter_dir, "confidence_threshold": 1.0}
+    llm = make_llm(enable_prefix_caching=False, speculative_config=spec)
+    assert run(llm, prompts) == run(make_llm(enable_prefix_caching=False), prompts)
+    assert llm.engine.stats.spec_decode.num_draft_tokens == 0

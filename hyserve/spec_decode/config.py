@@ -181,8 +181,6 @@ def check_for_engine(value: str | dict[str, Any] | SpeculativeConfig, cfg: Any) 
 
 
 def _check_dspark(spec: SpeculativeConfig, cfg: Any) -> SpeculativeConfig:
-    if spec.confidence_threshold is not None:
-        raise ValueError("confidence_threshold (confidence-scheduled verification) is not served by the engine yet")
     if cfg.enable_prefix_caching:
         raise ValueError("speculative method 'dspark' is served without prefix caching for now (a prefix hit skips "
                          "the target features the drafter's context needs): add --no-enable-prefix-caching")

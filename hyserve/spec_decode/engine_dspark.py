@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hyserve.spec_decode.confidence import threshold_lengths
 from hyserve.spec_decode.config import SpeculativeConfig
 from hyserve.spec_decode.dspark_io import load_drafter
 from hyserve.spec_decode.dspark_propose import DSparkProposer
@@ -92,9 +93,13 @@ class DSparkDecoder(SpecDecoder):
         probabilistic = self.config.draft_sample_method == "probabilistic"
         temps = [0.0 if r.params.is_greedy else r.params.temperature for r in live] if probabilistic else None
         block = self.proposer.propose([r.request_id for r in live], anchors, temps, [r.generator for r in live])
-        room = self.proposer.k
+        room = [self.proposer.k] * len(live)
+        if self.config.confidence_threshold is not None:
+            # the verified prefix ends where the predicted survival falls below the threshold; confidence j
+            # reads h_j and draft j-1, never draft j, so the cut is a stopping rule and the output stays exact
+            room = threshold_lengths(block.confidence, self.config.confidence_threshold).tolist()
         for i, r in enumerate(live):
-            n = max(0, min(room, self.proposer.drafter.config.max_position_embeddings - r.num_tokens))
+            n = max(0, min(room[i], self.proposer.drafter.config.max_position_embeddings - r.num_tokens))
             r.spec_token_ids = block.token_ids[i, :n].tolist()
             if block.probs is not None:
                 self.probs[r.request_id] = block.probs[i, :n]
