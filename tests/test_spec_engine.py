@@ -336,7 +336,7 @@ def test_spec_metrics_and_stats_line(make_llm):
 
 
 @pytest.mark.parametrize("value, message", [
-    ('{"method": "dspark", "model": "/x"}', "without prefix caching"),
+    ('{"method": "dspark", "model": "/x"}', "no config.json there"),
     ('{"method": "ngram"}', "needs num_speculative_tokens"),
     ('{"method": "ngram", "num_speculative_tokens": 4, "draft_sample_method": "probabilistic"}', "one-hot"),
     ("{not json", "not valid JSON"),
@@ -556,3 +556,43 @@ def test_dspark_confidence_threshold_of_one_verifies_nothing(make_llm, drafter_d
     llm = make_llm(enable_prefix_caching=False, speculative_config=spec)
     assert run(llm, prompts) == run(make_llm(enable_prefix_caching=False), prompts)
     assert llm.engine.stats.spec_decode.num_draft_tokens == 0
+
+
+def test_dspark_with_prefix_caching_drafts_after_a_hit_and_keeps_the_output(make_llm, drafter_dir):
+    """A prefix hit skips the target features of its cached tokens: the request drafts from the context
+    computed after the hit, and greedy output stays that of plain decoding (prefix caching on both)."""
+    prompts = repetitive_prompts(3, 21)
+    prompts = prompts + [p + [7, 8, 9] for p in prompts]  # the second three extend the first: hits
+    spec = {"method": "dspark", "model": drafter_dir}
+    plain_llm, llm = make_llm(), make_llm(speculative_config=spec)
+    plain = [run(plain_llm, prompts[:3]), run(plain_llm, prompts[3:])]  # in turn, so the second three hit
+    decoder, first_rows = llm.engine.spec, []
+    original = decoder.proposer.add_context
+
+    def add_context(rid, features, positions):
+        if rid not in decoder.proposer.rows and positions.numel():
+            first_rows.append(int(positions[0]))
+        original(rid, features, positions)
+
+    decoder.proposer.add_context = add_context
+    assert [run(llm, prompts[:3]), run(llm, prompts[3:])] == plain
+    assert llm.engine.stats.prefix_cache_hits > 0 and max(first_rows) > 0  # a context started past 0
+    st = llm.engine.stats.spec_decode
+    assert st.num_draft_tokens > 0 and decoder.proposer.rows == {} and decoder.proposer.first == {}
+
+
+def test_a_drafter_context_that_starts_past_zero_keeps_its_positions(tiny_model, drafter_dir):
+    from hyserve.spec_decode.dspark_io import load_drafter
+    from hyserve.spec_decode.dspark_propose import DSparkProposer
+
+    target, _ = tiny_model("k3-tiny")
+    proposer = DSparkProposer(load_drafter(drafter_dir, target))
+    width = proposer.drafter.fc.in_features
+    proposer.add_context("r", torch.randn(3, width), torch.arange(5, 8))
+    assert proposer.num_context("r") == 8
+    with pytest.raises(ValueError, match="in order"):
+        proposer.add_context("r", torch.randn(1, width), torch.tensor([9]))
+    proposer.truncate("r", 6)
+    assert proposer.num_context("r") == 6 and proposer.rows["r"][0].shape[0] == 1
+    proposer.truncate("r", 4)  # before its first row: nothing is left
+    assert proposer.num_context("r") == 0 and "r" not in proposer.first

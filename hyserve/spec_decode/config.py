@@ -181,9 +181,6 @@ def check_for_engine(value: str | dict[str, Any] | SpeculativeConfig, cfg: Any) 
 
 
 def _check_dspark(spec: SpeculativeConfig, cfg: Any) -> SpeculativeConfig:
-    if cfg.enable_prefix_caching:
-        raise ValueError("speculative method 'dspark' is served without prefix caching for now (a prefix hit skips "
-                         "the target features the drafter's context needs): add --no-enable-prefix-caching")
     path = os.path.join(spec.model, "config.json")
     if not os.path.isfile(path):
         raise ValueError(f"speculative model {spec.model!r}: no config.json there (a DSpark drafter directory)")

@@ -65,35 +65,50 @@ class DSparkProposer:
             raise ValueError(f"num_speculative_tokens must be in [1, {drafter.config.block_size}] "
                              "(the drafter's block size)")
         self.rows: dict[str, list[Tensor]] = {}  # request -> per layer [n, rank + dr]
+        # request -> the position of its first row: a prefix-cache hit computes (and taps the target
+        # features of) only the positions after the hit, so the drafter sees the context from there
+        self.first: dict[str, int] = {}
 
     def num_context(self, req_id: str) -> int:
+        """The position after the request's last row (its rows start at `first`)."""
         rows = self.rows.get(req_id)
-        return 0 if rows is None else rows[0].shape[0]
+        return 0 if rows is None else self.first[req_id] + rows[0].shape[0]
 
     @torch.no_grad()
     def add_context(self, req_id: str, features: Tensor, positions: Tensor) -> None:
-        """Target features [n, m*D] of the request's next n tokens (accepted tokens only) at positions [n]."""
-        if positions.numel() and int(positions[0]) != self.num_context(req_id):
+        """Target features [n, m*D] of the request's next n tokens (accepted tokens only) at positions [n].
+        A request's first rows may start past 0 (after a prefix hit); later ones continue them."""
+        if not positions.numel():
+            return
+        if req_id in self.rows and int(positions[0]) != self.num_context(req_id):
             raise ValueError(f"request {req_id}: context rows must arrive in order (next position "
                              f"{self.num_context(req_id)}, got {int(positions[0])})")
         new = self.drafter.context_rows(features, positions)
         old = self.rows.get(req_id)
+        if old is None:
+            self.first[req_id] = int(positions[0])
         self.rows[req_id] = new if old is None else [torch.cat([a, b]) for a, b in zip(old, new)]
 
     def truncate(self, req_id: str, num_tokens: int) -> None:
         """Forget the rows from position num_tokens on (a recomputed or forked request)."""
-        if req_id in self.rows:
-            self.rows[req_id] = [r[:num_tokens] for r in self.rows[req_id]]
+        if req_id not in self.rows:
+            return
+        keep = num_tokens - self.first[req_id]
+        if keep <= 0:
+            self.free(req_id)
+        else:
+            self.rows[req_id] = [r[:keep] for r in self.rows[req_id]]
 
     def free(self, req_id: str) -> None:
         self.rows.pop(req_id, None)
+        self.first.pop(req_id, None)
 
     @torch.no_grad()
     def propose(self, req_ids: Sequence[str], anchors: Tensor, temperatures: Sequence[float] | None = None,
                 generators: Sequence[torch.Generator | None] | None = None) -> DraftBlock:
         """A block for each request from its last accepted token anchors [B] (at position = its context
         length: every earlier token's features must have been added)."""
-        lens = [self.num_context(r) for r in req_ids]
+        lens = [self.rows[r][0].shape[0] if r in self.rows else 0 for r in req_ids]
         if min(lens, default=1) < 1:
             raise ValueError("a request needs the target features of at least one token before drafting")
         width, dev = max(lens), anchors.device
@@ -106,6 +121,6 @@ class DSparkProposer:
             ctx.append(rows)
         g = self.drafter.config.block_size
         visible = (torch.arange(width, device=dev) < torch.tensor(lens, device=dev).unsqueeze(1)).unsqueeze(1)
-        positions = torch.tensor(lens, device=dev).unsqueeze(1)
+        positions = torch.tensor([self.num_context(r) for r in req_ids], device=dev).unsqueeze(1)
         hidden = self.drafter.hidden(anchors.unsqueeze(1), positions, ctx, visible.expand(-1, g, -1))
         return draft_block(self.drafter, hidden, anchors, self.k, temperatures, generators)

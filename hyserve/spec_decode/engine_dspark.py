@@ -6,8 +6,9 @@ and extended with the rows of computed positions only: a prefill chunk or plain 
 positions at once, a verify step only the positions of its accepted drafts, after rejection sampling.
 A request drafts once the rows of every token before its last one exist. The paged drafter rows, the
 aux hidden states from the model forward and the on-device proposer of §3 are the fast path still to come;
-this one needs eager steps (hooks do not fire in a CUDA-graph replay) and no prefix caching (a hit skips
-the target features of its cached tokens).
+this one needs eager steps (hooks do not fire in a CUDA-graph replay). A prefix hit skips the target
+features of its cached tokens: such a request drafts from the context computed after the hit (fewer drafts
+accepted on long shared prefixes, the same output).
 """
 
 from __future__ import annotations
@@ -64,9 +65,12 @@ class DSparkDecoder(SpecDecoder):
         return logits
 
     def _add(self, req: Request, rows: torch.Tensor, start: int) -> None:
-        self.proposer.truncate(req.request_id, start)  # a preempted request computes again from 0
+        proposer, rid = self.proposer, req.request_id
+        proposer.truncate(rid, start)  # a preempted request computes again from 0 or from a prefix hit
+        if rid in proposer.rows and proposer.num_context(rid) != start:  # a hit past its rows: start there
+            proposer.free(rid)
         pos = torch.arange(start, start + rows.shape[0], device=rows.device)
-        self.proposer.add_context(req.request_id, rows, pos)
+        proposer.add_context(rid, rows, pos)
 
     def after_verify(self, seqs: Sequence[ScheduledSeq]) -> None:
         """The accepted positions' rows join the context before drafting, so the request drafts again at once."""
