@@ -4,7 +4,8 @@ config an autotuner tries) passes Triton's post-compile hook; once the engine is
 request waited for a compiler, so it is counted (`hyserve:kernels_compiled_after_ready` on /metrics) and
 logged with the kernel and its argument specialization, which names the shape the warm-up missed.
 
-One watch per process: Triton's hook is process-wide. A hook installed before ours is still called.
+One watch per process: Triton's hook is process-wide. A hook installed before ours is still called. The
+ranks of a parallel layout compile in their own processes, which this count does not see.
 """
 
 from __future__ import annotations
