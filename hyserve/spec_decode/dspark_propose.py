@@ -1,8 +1,8 @@
 """Drafting with the DSpark drafter (reference path, any device): the Markov loop over a block and a
 per-request context cache of the drafter's latent rows.
 
-`DSparkProposer` keeps, for each request, the drafter's rows of every target token it has seen (one
-[n, rank + dr] tensor per draft layer) and drafts a block for each request from its last accepted
+`DSparkProposer` keeps, for each request, the drafter's rows of every target token it has seen from its
+first computed position on (one [n, rank + dr] tensor per draft layer) and drafts a block for each request from its last accepted
 token. The engine integration replaces these host-side lists by pages (docs/speculative_decoding.md);
 the math stays the one here.
 """
@@ -106,8 +106,8 @@ class DSparkProposer:
     @torch.no_grad()
     def propose(self, req_ids: Sequence[str], anchors: Tensor, temperatures: Sequence[float] | None = None,
                 generators: Sequence[torch.Generator | None] | None = None) -> DraftBlock:
-        """A block for each request from its last accepted token anchors [B] (at position = its context
-        length: every earlier token's features must have been added)."""
+        """A block for each request from its last accepted token anchors [B], at position `num_context`:
+        the features of every token from the request's first row on must have been added."""
         lens = [self.rows[r][0].shape[0] if r in self.rows else 0 for r in req_ids]
         if min(lens, default=1) < 1:
             raise ValueError("a request needs the target features of at least one token before drafting")
