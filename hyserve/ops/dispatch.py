@@ -56,10 +56,15 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def capability(x: torch.Tensor) -> tuple[int, int]:
+    """The compute capability of CUDA tensor x's device, asked of torch once per device."""
+    return _capability(x.get_device())
+
+
 def sm90(x: torch.Tensor) -> bool:
     """x on a CUDA GPU of compute capability 9.0 or later (Hopper: programmatic dependent launch, bulk
     prefetch, wgmma)."""
-    return x.is_cuda and _capability(x.get_device()) >= (9, 0)
+    return x.is_cuda and capability(x) >= (9, 0)
 
 
 def use_pdl(x: torch.Tensor, pdl: bool | None, default: bool = True) -> bool:

@@ -163,7 +163,9 @@ def unsupported(q_full, pages, block_n: int, kv_lora_rank: int, dr: int) -> str 
     """Why this kernel cannot run the call (None: it can)."""
     import torch
 
-    if not q_full.is_cuda or torch.cuda.get_device_capability(q_full.device)[0] != 9:
+    from hyserve.ops.dispatch import capability
+
+    if not q_full.is_cuda or capability(q_full)[0] != 9:
         return "needs a Hopper GPU (wgmma)"
     if pages.dtype not in (torch.bfloat16, torch.float16):
         return f"rows in {pages.dtype}: bf16 or fp16 only"
