@@ -208,3 +208,16 @@ def test_training_lowers_the_loss(target):
     _, log = train_drafter(target, examples, cfg, pad_id=2, progress=False)
     assert log.steps == 30
     assert sum(log.losses[-2:]) / 2 < 0.8 * sum(log.losses[:2]) / 2, log.losses
+
+
+def test_the_target_pass_under_bf16_autocast_gives_float_logits(target, monkeypatch):
+    # on CUDA the training forward runs under bf16 autocast over fp32 weights, so the hidden rows come out
+    # in bf16; the head must run under the same autocast (outside it, bf16 rows met fp32 weights)
+    from hyserve.train.dspark import TargetPass
+
+    monkeypatch.setattr(TargetPass, "autocast", lambda self: torch.autocast("cpu", dtype=torch.bfloat16))
+    tp = TargetPass(target, [0, 2], rows=2, row_len=16, use_fla=False)
+    ids = torch.randint(3, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    feats, logits = tp(ids, torch.tensor([[2, 5], [1, 7]]), 4)
+    assert logits.dtype == torch.float32 and logits.shape == (2, 2, 4, VOCAB)
+    assert feats.shape[:2] == (2, 16)

@@ -96,14 +96,14 @@ class TargetPass:
     @torch.no_grad()
     def __call__(self, ids: torch.Tensor, anchor_pos: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
         """ids [R, L] -> (features [R, L, m*D], target logits [R, A, γ, V] at a+j)."""
+        pos, _ = block_index(anchor_pos, block, self.row_len)
+        # the head inside autocast too: on CUDA the hidden rows leave the forward in bf16 over fp32 weights
         with tap_features(self.model, self.layer_ids) as tap, self.autocast():
             hidden = self.model(ids.reshape(-1), self.batch, self.cache, self.plan)
-        feats = tap.features().view(self.rows, self.row_len, -1)
-        pos, _ = block_index(anchor_pos, block, self.row_len)
-        sel = torch.gather(hidden.view(self.rows, self.row_len, -1), 1,
-                           pos.flatten(1).unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-        logits = self.model.lm_head(sel).float().view(*pos.shape, -1)
-        return feats, logits
+            sel = torch.gather(hidden.view(self.rows, self.row_len, -1), 1,
+                               pos.flatten(1).unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+            logits = self.model.lm_head(sel).float().view(*pos.shape, -1)
+        return tap.features().view(self.rows, self.row_len, -1), logits
 
 
 def lr_at(cfg: DrafterTrainConfig, step: int, elapsed: float) -> float:
