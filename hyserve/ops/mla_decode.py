@@ -423,10 +423,11 @@ def mla_prefill_fast(
     """Expanded-form attention for prefill sequences laid end to end (q_* [Tq, H, d]).
 
     The cached rows of all sequences are gathered in one indexing op and up-projected by one GEMM;
-    then one fused SDPA call per sequence (flash attention when the chunk starts at 0, else a causal
-    offset mask). v is zero-padded to the q/k width so the flash kernel applies. Returns [Tq, H, d_v].
+    then one fused SDPA call per sequence (flash attention, its causal diagonal aligned to the chunk's
+    end). v is zero-padded to the q/k width so the flash kernel applies. Returns [Tq, H, d_v].
     """
     import torch.nn.functional as F
+    from torch.nn.attention.bias import causal_lower_right
 
     dev, bs = pages.device, pages.shape[2]
     h, dn = q_nope.shape[1], q_nope.shape[2]
@@ -447,11 +448,10 @@ def mla_prefill_fast(
         qi = q[q0 : q0 + nq].transpose(0, 1).unsqueeze(0)
         ki = k[c0 : c0 + nc].transpose(0, 1).unsqueeze(0)
         vi = v[c0 : c0 + nc].transpose(0, 1).unsqueeze(0)
-        if nq == nc:
-            oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale)
-        else:  # query j sits at position nc - nq + j
-            mask = torch.ones(nq, nc, dtype=torch.bool, device=dev).tril(nc - nq)
-            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
+        # query j sits at position nc - nq + j: the causal diagonal is aligned to the lower right, which
+        # SDPA's flash kernel serves without a mask (a materialized [nq, nc] mask sent a chunk over a long
+        # cached context to the slower masked kernels)
+        oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=causal_lower_right(nq, nc), scale=scale)
         out[q0 : q0 + nq] = oi[0, :, :, :v_head_dim].transpose(0, 1)
         q0, c0 = q0 + nq, c0 + nc
     return out
