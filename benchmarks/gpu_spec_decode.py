@@ -1,0 +1,123 @@
+"""Speculative decoding off and on, side by side in one run: TPOT per batch size and the mean acceptance
+length, each engine built by `LLM(...)` with and without `speculative_config` (issue 27's tables).
+
+    # the embedded model and its drafter, held-out prompts (eager: dspark needs --enforce-eager)
+    python benchmarks/gpu_spec_decode.py --model hyserve/assets/hyserve-tiny-k3 --workload heldout --eager \\
+        --batches 1,8 --spec '{"method": "dspark", "model": "hyserve/assets/hyserve-tiny-k3-dspark"}'
+    # the 48B shape: n-gram drafts on repetitive prompts, and the synthetic curve of 3.36 accepted at 4 drafts
+    python benchmarks/gpu_spec_decode.py --workload repeat --batches 1,8,32 \\
+        --spec '{"method": "ngram", "num_speculative_tokens": 4}' \\
+        --spec '{"method": "ngram", "num_speculative_tokens": 4, "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 4.36}'
+    python benchmarks/gpu_spec_decode.py --model k3-tiny --device cpu --batches 1,2 --output-len 12 \\
+        --spec '{"method": "ngram", "num_speculative_tokens": 3}' --no-append     # a CPU dry run
+
+Per configuration one engine (max_num_seqs = the largest batch, prefix caching off, greedy, ignore_eos);
+per batch size an untimed pass first (it compiles), then a timed one. TPOT = the time from the step in which
+every request had its first token to the last request's end, over the output tokens after the first (what
+a client streaming the batch waits per token). The acceptance length is vLLM's 1 + accepted / drafts over
+the timed pass. Workloads: `heldout` (the prompts the drafter's training held out: the target's own held-out
+modules, `hyserve.train.drafter`), `repeat` (a random 24-token pattern repeated: n-gram drafts find it),
+`random` (random tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+
+from hyserve import LLM, SamplingParams
+
+
+def prompts_for(llm: LLM, workload: str, n: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    vocab = min(1000, llm.engine.model_config.vocab_size)
+    if workload == "random":
+        return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
+    if workload == "repeat":
+        out = []
+        for _ in range(n):
+            pattern = [rng.randrange(10, vocab) for _ in range(24)]
+            out.append((pattern * (length // 24 + 1))[:length])
+        return out
+    from hyserve.train.drafter import corpus_examples, prompts_of
+
+    _, held = corpus_examples(llm.get_tokenizer(), None, max(length, 64))
+    prompts = prompts_of(held, n)
+    if len(prompts) < n:
+        raise SystemExit(f"only {len(prompts)} held-out prompts for a batch of {n}")
+    return prompts
+
+
+def run_batch(llm: LLM, prompts: list[list[int]], output_len: int) -> float:
+    """TPOT in ms of one batch (see the module docstring)."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    started, t_first = set(), None
+    while engine.has_unfinished_requests():
+        for d in engine.step_deltas():
+            if d.error:
+                raise RuntimeError(f"request {d.request_id} failed: {d.error}")
+            if any(c.token_ids for c in d.completions):
+                started.add(d.request_id)
+        if t_first is None and len(started) == len(prompts):
+            t_first = time.perf_counter()
+    return (time.perf_counter() - t_first) / max(output_len - 1, 1) * 1e3
+
+
+def measure(args, spec: dict | None) -> tuple[dict[int, float], dict[int, float | None]]:
+    kw = dict(device=args.device, max_num_seqs=max(args.batch_list), enable_prefix_caching=False,
+              max_model_len=args.prompt_len + args.output_len + 64, enforce_eager=args.eager)
+    llm = LLM(args.model, speculative_config=spec, **kw) if spec is not None else LLM(args.model, **kw)
+    tpot, accept = {}, {}
+    for b in args.batch_list:
+        prompts = prompts_for(llm, args.workload, b, args.prompt_len, seed=b)
+        run_batch(llm, prompts, min(16, args.output_len))  # compiles the shapes of this batch size
+        stats = llm.engine.stats.spec_decode
+        before = (stats.num_drafts, stats.num_accepted_tokens) if stats is not None else None
+        tpot[b] = run_batch(llm, prompts, args.output_len)
+        accept[b] = None if stats is None else \
+            1 + (stats.num_accepted_tokens - before[1]) / max(stats.num_drafts - before[0], 1)
+    del llm
+    return tpot, accept
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="kimi-linear-48b-a3b")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--workload", choices=("heldout", "repeat", "random"), default="repeat")
+    p.add_argument("--spec", action="append", required=True, help="a --speculative-config JSON (repeatable)")
+    p.add_argument("--eager", action="store_true", help="--enforce-eager for every engine (dspark needs it)")
+    p.add_argument("--no-append", action="store_true", help="print only; leave docs/BENCHMARKS.md alone")
+    args = p.parse_args(argv)
+    args.batch_list = [int(b) for b in args.batches.split(",")]
+    specs = [json.loads(s) for s in args.spec]
+    off, _ = measure(args, None)
+    table = ["| speculative config | batch | TPOT off ms | TPOT on ms | off / on | mean acceptance length |",
+             "|---|---|---|---|---|---|"]
+    for spec in specs:
+        on, accept = measure(args, spec)
+        for b in args.batch_list:
+            table.append(f"| `{json.dumps(spec)}` | {b} | {off[b]:.2f} | {on[b]:.2f} | {off[b] / on[b]:.2f}x | "
+                         f"{accept[b]:.2f} |")
+    notes = [f"Workload `{args.workload}`, prompts of {args.prompt_len} tokens ({'held-out, their own lengths' if args.workload == 'heldout' else 'fixed'}), "
+             f"{args.output_len} output tokens, greedy, prefix caching off, {'eager' if args.eager else 'CUDA graphs'}."]
+    if args.no_append or args.device != "cuda":
+        print("\n".join(table + [""] + notes))
+        return
+    from gpu_common import report
+
+    command = " ".join(["python benchmarks/gpu_spec_decode.py", *(sys.argv[1:] if argv is None else argv)])
+    report(f"Speculative decoding off and on, {args.model}", command, table, notes, "gpu_spec_decode.md")
+
+
+if __name__ == "__main__":
+    main()
