@@ -31,9 +31,9 @@ class RecordingPlan(KernelPlan):
         super().__init__()
         object.__setattr__(self, "asked", Counter())
 
-    def kda_kernels(self, decode_only: bool) -> bool:
+    def kda_kernels(self, prefill: bool, verify_tokens: int = 0) -> bool:
         self.asked["KDA"] += 1
-        return super().kda_kernels(decode_only)
+        return super().kda_kernels(prefill, verify_tokens)
 
     def mla_path(self, cache_dtype: torch.dtype, dtype: torch.dtype) -> str:
         self.asked["MLA"] += 1

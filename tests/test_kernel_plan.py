@@ -64,7 +64,7 @@ def test_the_h200_plan_switches_kernels_at_the_measured_token_counts(name):
     one, two = torch.empty(1, 64, device="meta"), torch.empty(2, 64, device="meta")
     assert p.dense_mlp_one_token(one, "silu") and not p.dense_mlp_one_token(two, "silu")
     assert not p.dense_mlp_one_token(one, "situ")
-    assert p.kda_kernels(decode_only=True) and p.kda_kernels(decode_only=False)
+    assert p.kda_kernels(prefill=False) and p.kda_kernels(prefill=True)
 
 
 def test_mla_with_a_cache_in_another_dtype_keeps_the_kernels_but_not_the_merged_row_write():
@@ -80,7 +80,33 @@ def test_the_indexer_scores_only_contexts_longer_than_top_k():
 def test_without_fla_a_kda_prefill_runs_the_reference_and_decode_steps_keep_the_kernel():
     cfg = parse_config(preset_config("kimi-linear-48b-a3b"))
     p = plan_kernels(cfg, dataclasses.replace(H200, fla=False), BF16, env=envs.read({}))
-    assert p.kda_prefill == REFERENCE and p.kda_kernels(decode_only=True) and not p.kda_kernels(decode_only=False)
+    assert p.kda_prefill == REFERENCE and p.kda_kernels(prefill=False) and not p.kda_kernels(prefill=True)
+
+
+@pytest.mark.parametrize("name", sorted(ON_H200))
+def test_the_verify_kernel_goes_where_the_decode_kernel_goes(name):
+    """Speculative verify rows take kda_verify_multi wherever the decode kernel runs (it is the decode
+    kernel's prep and finish around its own state kernel): with or without fla, up to 16 tokens a row."""
+    p = h200_plan(name)
+    assert p.kda_verify == p.kda_decode == "triton"
+    assert p.kda_kernels(prefill=False, verify_tokens=2) and p.kda_kernels(prefill=True, verify_tokens=16)
+    assert not p.kda_kernels(prefill=False, verify_tokens=17)  # past the state kernel's unrolled tokens
+    cfg = parse_config(preset_config(name))
+    no_fla = plan_kernels(cfg, dataclasses.replace(H200, fla=False), BF16, env=envs.read({}))
+    assert no_fla.kda_verify == "triton" and no_fla.kda_kernels(prefill=False, verify_tokens=4)
+    assert not no_fla.kda_kernels(prefill=True, verify_tokens=4)
+
+
+def test_without_the_decode_kernel_verify_rows_run_the_reference():
+    c = preset_config("kimi-linear-tiny")
+    c["linear_attn_config"]["head_dim"] = 24  # not a power of two: no KDA kernel spans the head
+    odd = plan_kernels(parse_config(c), H200, F32, env=envs.read({}))
+    assert odd.kda_decode == odd.kda_verify == REFERENCE
+    assert not odd.kda_kernels(prefill=False, verify_tokens=2)
+    forced = h200_plan("kimi-linear-tiny", HYSERVE_REFERENCE_OPS="1")
+    assert forced.kda_verify == REFERENCE and not forced.kda_kernels(prefill=False, verify_tokens=2)
+    cpu = load_model("kimi-linear-tiny", dtype="float32", device="cpu").kernel_plan
+    assert cpu.kda_verify == REFERENCE and not cpu.kda_kernels(prefill=False, verify_tokens=2)
 
 
 def test_the_48b_single_token_projections_keep_their_measured_gemv_tiles():
@@ -121,7 +147,7 @@ def test_on_the_cpu_the_plan_says_reference_everywhere():
     p = model.kernel_plan
     assert not p.triton and p.kda_decode == p.kda_prefill == p.mla == p.router == REFERENCE
     assert p.moe_experts(1, F32, grad=False) == REFERENCE and p.router_kernel(1, grad=False) == REFERENCE
-    assert not p.kda_kernels(decode_only=True)
+    assert not p.kda_kernels(prefill=False) and not p.kda_kernels(prefill=False, verify_tokens=2)
     assert p.table() == "kernel plan: KimiK3ForCausalLM in float32 on cpu: every layer runs its torch reference"
 
 
@@ -147,7 +173,7 @@ def test_the_training_plan_keeps_the_kernels_and_adds_the_batched_paths():
 def test_the_table_names_each_kernel_and_the_counts_that_switch_them():
     table = h200_plan("kimi-linear-48b-a3b").table()
     assert table.startswith("kernel plan: KimiLinearForCausalLM in bfloat16 on NVIDIA H200")
-    for part in ("KDA decode", "528 (sequence, head) pairs", "fla chunk_kda", "Gluon wgmma", ">= 8 tiles",
+    for part in ("KDA decode", "528 (sequence, head) pairs", "fla chunk_kda", "KDA verify", "kda_verify_multi", "Gluon wgmma", ">= 8 tiles",
                  "up to 4 tokens", "up to 64 token-expert pairs with the shared expert", "163840x2304",
                  "(16, 256, 8, 4, 4)", "SiLU-GLU: GEMV tiles (16, 256, 8, 3, 4)"):
         assert part in table, part

@@ -84,6 +84,17 @@ class VerifyRows:
 
 
 @dataclass
+class VerifyGroup:
+    """The verify sequences of one query length: what one `kda_verify_multi` call takes (it needs the same
+    number of tokens for every sequence)."""
+
+    tokens: int  # 1 + k of every sequence in the group
+    rows: torch.Tensor  # [n * tokens] long: the step's token rows, sequence-major
+    slot_table: torch.Tensor  # [n, 1+K] long: the sequences' rows of VerifyRows.slot_table
+    src: torch.Tensor  # [n] long
+
+
+@dataclass
 class Batch:
     query_lens: list[int]
     context_lens: list[int]  # tokens of the sequence in the cache after this step
@@ -112,11 +123,40 @@ class Batch:
         return [0, *itertools.accumulate(self.query_lens)]
 
     @functools.cached_property
+    def prefill_seqs(self) -> list[int]:
+        """The sequences with more than one new token that are not verify rows (prompt chunks)."""
+        verify = set(self.verify.seqs) if self.verify is not None else set()
+        return [i for i, n in enumerate(self.query_lens) if n > 1 and i not in verify]
+
+    @functools.cached_property
+    def verify_lens(self) -> list[int]:
+        """Each verify sequence's query length (1 + its drafts), host ints."""
+        return [self.query_lens[i] for i in self.verify.seqs] if self.verify is not None else []
+
+    @functools.cached_property
+    def verify_groups(self) -> list[VerifyGroup]:
+        """The verify sequences grouped by query length, built once per step for every KDA layer (index
+        tensors from host values, copied to the device without a read-back)."""
+        if self.verify is None:
+            return []
+        cu, seqs, groups = self.cu_seqlens_host, self.verify.seqs, []
+        dev = self.cu_seqlens.device
+        for t in sorted(set(self.verify_lens)):
+            members = [j for j, n in enumerate(self.verify_lens) if n == t]
+            rows = to_device([r for j in members for r in range(cu[seqs[j]], cu[seqs[j]] + t)], torch.long, dev)
+            if len(members) == len(seqs):  # one length: the step's own tensors, no gather
+                groups.append(VerifyGroup(t, rows, self.verify.slot_table, self.verify.src))
+                continue
+            idx = to_device(members, torch.long, dev)
+            groups.append(VerifyGroup(t, rows, self.verify.slot_table[idx], self.verify.src[idx]))
+        return groups
+
+    @functools.cached_property
     def prefill_cu(self) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-        """The sequences with more than one new token, and their cu_seqlens on the host and the device, built
+        """The prefill sequences (`prefill_seqs`), and their cu_seqlens on the host and the device, built
         once per step. fla caches the chunk indices it derives from cu_seqlens by tensor identity; a new
         tensor per KDA layer made it rebuild them with a blocking copy, a host sync per layer."""
-        pre = [i for i, n in enumerate(self.query_lens) if n > 1]
+        pre = self.prefill_seqs
         cu_cpu = torch.tensor([0] + [self.query_lens[i] for i in pre], dtype=torch.long).cumsum(0)
         return pre, cu_cpu, host_to_device(cu_cpu, self.cu_seqlens.device)
 

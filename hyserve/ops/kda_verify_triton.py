@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from hyserve.ops.kda_decode import _delta_step, _kda_finish_kernel, _kda_prep_kernel
+from hyserve.ops.kernel_plan import KDA_VERIFY_MAX_TOKENS
 
 
 @triton.jit
@@ -73,8 +74,8 @@ def kda_verify_multi(
     t = tokens_per_seq
     h, kd, w = rec_pool.shape[1], rec_pool.shape[-1], conv_weight.shape[-1]
     p, n = h * kd, x.shape[0] // max(t, 1)
-    if not 1 <= t <= 16 or n * t != x.shape[0]:
-        raise ValueError("verify rows: 1 to 16 tokens per sequence, the same for every sequence")
+    if not 1 <= t <= KDA_VERIFY_MAX_TOKENS or n * t != x.shape[0]:
+        raise ValueError(f"verify rows: 1 to {KDA_VERIFY_MAX_TOKENS} tokens per sequence, the same for every sequence")
     if any(y.stride(-1) != 1 or y.shape[0] != n * t for y in (x, f, b, gate)):
         raise ValueError("x, f, b and gate need one row per token and a unit-stride last dimension")
     if slot_table.shape[0] != n or src.shape[0] != n or slot_table.shape[1] < t or slot_table.stride(1) != 1:

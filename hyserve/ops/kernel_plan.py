@@ -40,6 +40,9 @@ KDA_FUSED_NORM_BELOW_PAIRS = 4 * 132
 # KDA decode: evict-first state loads and streaming stores below this many pairs (batch 64 85.6 against
 # 87.0 µs; batch 256 344.5 against 333.2 µs)
 KDA_STREAM_BELOW_PAIRS = 8192
+# KDA verify: the state kernel unrolls a sequence's tokens (the last sampled one and its drafts) up to this
+# many; a step with a longer verify row runs the layer's reference
+KDA_VERIFY_MAX_TOKENS = 16
 # MLA decode "auto": the Gluon wgmma split kernel where a split walks at least this many 64-row tiles, the
 # Triton heads-as-M kernel for shorter splits (batch 8 x 32K: 100.0 against 114.8 µs; batch 1 x 32K, 4
 # tiles a split: 35.0 against 31.9)
@@ -80,6 +83,7 @@ class KernelPlan:
     triton: bool = False  # Triton kernels at all
     kda_decode: str = REFERENCE  # "triton": prep + state kernels over the slots in place
     kda_prefill: str = REFERENCE  # "fla": chunk_kda over the step's prefill sequences
+    kda_verify: str = REFERENCE  # "triton": kda_verify_multi over the verify rows, one call per row length
     mla: str = REFERENCE  # "merged": q|kv_a GEMM + fused row write; "triton": decode kernels, SDPA prefill
     mla_decode_layout: str = "heads"  # "auto": the Gluon wgmma kernel where it runs (mla_decode_latent)
     dsa_index: str = REFERENCE  # "triton": index scores + top-k (models with an indexer)
@@ -95,9 +99,12 @@ class KernelPlan:
     train_fla: bool = False  # its KDA layers through fla chunk_kda with autograd
 
     # ---- the answers that depend on the step ---------------------------------------------------------
-    def kda_kernels(self, decode_only: bool) -> bool:
-        """Whether a KDA layer takes its GPU path: prefill steps need fla, decode-only steps the decode kernel."""
-        return self.kda_prefill == "fla" or (decode_only and self.kda_decode == "triton")
+    def kda_kernels(self, prefill: bool, verify_tokens: int = 0) -> bool:
+        """Whether a KDA layer takes its GPU path for a step: its plain decodes take the decode kernel, its
+        prefill chunks need fla, its verify rows (the longest `verify_tokens` long, 0 without) the verify
+        kernel. The path serves a step whole: a step with a row no kernel takes runs the layer's reference."""
+        return (self.kda_decode == "triton" and (not prefill or self.kda_prefill == "fla")
+                and (not verify_tokens or (self.kda_verify == "triton" and verify_tokens <= KDA_VERIFY_MAX_TOKENS)))
 
     def kda_fused_norm(self, pairs: int) -> bool:
         return pairs < KDA_FUSED_NORM_BELOW_PAIRS
@@ -199,6 +206,8 @@ def plan_kernels(cfg, device: DeviceSpec, dtype: torch.dtype | str, env: envs.En
         kda_decode="triton" if kda else REFERENCE,
         # fla's chunk kernels need tl.dot tiles of 16 or more
         kda_prefill="fla" if kda and device.fla and cfg.kda_head_dim >= 16 else REFERENCE,
+        # the verify kernel is the decode kernel's prep and finish around a state kernel of the same shape
+        kda_verify="triton" if kda else REFERENCE,
         mla=REFERENCE if not mla or cfg.has_indexer else "triton" if cfg.use_rope else "merged",
         mla_decode_layout="auto" if (device.capability[0] == 9 and device.gluon and cfg.kv_lora_rank % 64 == 0
                                      and cfg.qk_rope_head_dim % 16 == 0) else "heads",
@@ -223,7 +232,10 @@ def plan_table(plan: KernelPlan) -> str:
         rows += [("KDA decode", ref if plan.kda_decode == ref else "Triton prep + state kernels; the output norm "
                   f"in the state kernel below {KDA_FUSED_NORM_BELOW_PAIRS} (sequence, head) pairs, a third launch from there"),
                  ("KDA prefill", "fla chunk_kda over the step's prefill sequences, Triton conv and output norm"
-                  if plan.kda_prefill != ref else ref + " (a step with a prefill runs the whole layer's)")]
+                  if plan.kda_prefill != ref else ref + " (a step with a prefill runs the whole layer's)"),
+                 ("KDA verify", ref + " (a step with verify rows runs the whole layer's)" if plan.kda_verify == ref
+                  else "Triton kda_verify_multi, one call per verify row length (up to "
+                  f"{KDA_VERIFY_MAX_TOKENS} tokens), the state after each token into its own slot")]
     if "dsa" in kinds:
         rows += [("DSA indexer", ref if plan.dsa_index == ref else f"Triton scores + top-k past {plan.dsa_topk} "
                   f"positions ({'FP8' if plan.dsa_fp8_dot else 'fp16'} dot); every position up to {plan.dsa_topk}"),

@@ -2,6 +2,9 @@
 
 Prefill chunks run the chunked form per sequence; single-token decodes run the recurrence batched over
 sequences. Both read and write the sequence's state slot in place (conv tail + fp32 recurrent matrix).
+Speculative verify rows read column `src` of their slot row and write the state after each token to its
+own column (ops/kda_verify.py). This module is the reference, the specification; where the kernel plan
+has kernels for every kind of row in the step, `kda_fast.kda_forward_fast` runs it instead.
 """
 
 from __future__ import annotations
@@ -53,8 +56,7 @@ class KimiDeltaAttention(nn.Module):
         plan = active(plan)
         if plan.train_fla:
             return self.train_forward(x, batch)
-        # verify rows (speculative decoding) run on the reference path (ops/kda_verify.py)
-        if batch.verify is None and plan.kda_kernels(batch.decode_only):
+        if plan.kda_kernels(bool(batch.prefill_seqs), max(batch.verify_lens, default=0)):
             from hyserve.models.layers.kda_fast import kda_forward_fast
 
             return kda_forward_fast(self, x, batch, cache, plan)

@@ -1,5 +1,6 @@
 """The GPU path of the KDA layer (docs/ARCHITECTURE.md §7): one merged input GEMM, the fused Triton decode kernel
-for one-token sequences, and fla `chunk_kda` over all prefill sequences of the step in one varlen call.
+for one-token sequences, the Triton verify kernel for speculative verify rows (one call per row length), and
+fla `chunk_kda` over all prefill sequences of the step in one varlen call.
 Same function as `KimiDeltaAttention.forward` (the reference), up to bf16 rounding."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from hyserve.ops.kda_conv import causal_conv_varlen_triton
 from hyserve.ops.kda_decode import kda_decode
 from hyserve.ops.kda_out_norm import gated_rms_norm_rows
 from hyserve.ops.kda_prefill import chunk_kda_varlen
+from hyserve.ops.kda_verify_triton import kda_verify_multi
 from hyserve.ops.kernel_plan import KernelPlan
 
 
@@ -37,46 +39,64 @@ def _token_index(cu: list[int], seqs: list[int], device: torch.device) -> torch.
     return torch.cat([torch.arange(cu[i], cu[i + 1]) for i in seqs]).to(device, non_blocking=True)
 
 
-def kda_forward_fast(layer, x: torch.Tensor, batch: Batch, cache: CacheTensors, plan: KernelPlan) -> torch.Tensor:
-    t, h, k = x.shape[0], layer.num_heads, layer.head_dim
-    p, scale = h * k, layer.head_dim**-0.5
+def _in_proj(layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv (pre-conv), f (gate input), b (beta logits) and the output gate's logits of every token."""
+    t, p = x.shape[0], layer.num_heads * layer.head_dim
     w_in, split = merged_in_proj(layer)
     y = F.linear(x, w_in)
     qkv, fa, ga, b = y.split([3 * p, split[3], split[4], split[5]], -1)
     if hasattr(layer, "g_proj"):
-        f, gate = layer.f_b_proj(fa), ga
-    else:  # f_a | g_a side by side in y's rows are the two batches of one bmm operand: no stack copy
-        fg_a = y.as_strided((2, t, split[3]), (split[3], y.stride(0), 1), y.storage_offset() + 3 * p)
-        f, gate = torch.bmm(fg_a, merged_fg_b(layer)).unbind(0)
+        return qkv, layer.f_b_proj(fa), b, ga
+    # f_a | g_a side by side in y's rows are the two batches of one bmm operand: no stack copy
+    fg_a = y.as_strided((2, t, split[3]), (split[3], y.stride(0), 1), y.storage_offset() + 3 * p)
+    f, gate = torch.bmm(fg_a, merged_fg_b(layer)).unbind(0)
+    return qkv, f, b, gate
+
+
+def kda_forward_fast(layer, x: torch.Tensor, batch: Batch, cache: CacheTensors, plan: KernelPlan) -> torch.Tensor:
+    """A step's plain decodes through the decode kernel, its verify rows through the verify kernel (one call
+    per row length) and its prefill chunks through one fla varlen call, each writing its own rows of the
+    output; then the o_proj over all of them."""
+    t, h = x.shape[0], layer.num_heads
+    scale = layer.head_dim**-0.5
+    qkv, f, b, gate = _in_proj(layer, x)
     conv_pool = cache.conv[:, layer.kda_index]
     rec_pool = cache.recurrent[:, layer.kda_index]
     args = (layer.conv_weight, conv_pool, rec_pool, layer.A_log, layer.dt_bias, layer.o_norm_weight)
-    qlens = batch.query_lens
     if batch.decode_only:
         out = kda_decode(qkv, f, b, gate, *args, batch.state_slots, batch.fresh_state, scale, layer.eps,
                          layer.lower_bound, fused_finish=plan.kda_fused_norm(t * h))
         return linear(out, layer.o_proj.weight, config=plan.linear_gemv(out, layer.o_proj.weight))
 
-    out = torch.empty(t, p, dtype=x.dtype, device=x.device)
-    dec = [i for i, n in enumerate(qlens) if n == 1]
-    pre, cu_cpu, cu_p = batch.prefill_cu
-    cu_host = [0]
-    for n in qlens:
-        cu_host.append(cu_host[-1] + n)
+    out = torch.empty(t, h * layer.head_dim, dtype=x.dtype, device=x.device)
+    dec = [i for i, n in enumerate(batch.query_lens) if n == 1]
     if dec:
         idx = to_device(dec, torch.long, x.device)
         tok = batch.cu_seqlens[idx]
         out[tok] = kda_decode(qkv[tok], f[tok], b[tok], gate[tok], *args, batch.state_slots[idx],
                               batch.fresh_state[idx], scale, layer.eps, layer.lower_bound,
                               fused_finish=plan.kda_fused_norm(len(dec) * h))
+    for g in batch.verify_groups:
+        r = g.rows
+        out[r] = kda_verify_multi(qkv[r], f[r], b[r], gate[r], *args, g.slot_table, g.src, scale, layer.eps,
+                                  layer.lower_bound, g.tokens)
+    if batch.prefill_seqs:
+        out = _prefill(layer, out, qkv, f, b, gate, batch, conv_pool, rec_pool)
+    return linear(out, layer.o_proj.weight, config=plan.linear_gemv(out, layer.o_proj.weight))
 
-    pidx = to_device(pre, torch.long, x.device)
-    tok = None if not dec else _token_index(cu_host, pre, x.device)
+
+def _prefill(layer, out, qkv, f, b, gate, batch: Batch, conv_pool, rec_pool) -> torch.Tensor:
+    """The step's prefill chunks in one fla varlen call. Returns the step's output rows: `out` with the
+    chunks' rows written in, or the call's own output when the chunks are the whole step (no scatter)."""
+    h, k = layer.num_heads, layer.head_dim
+    pre, cu_cpu, cu_p = batch.prefill_cu
+    tok = None if len(pre) == batch.num_seqs else _token_index(batch.cu_seqlens_host, pre, qkv.device)
 
     def rows(y: torch.Tensor) -> torch.Tensor:
         return y if tok is None else y[tok]
 
     tp = int(cu_cpu[-1])
+    pidx = to_device(pre, torch.long, qkv.device)
     slots, fresh = batch.state_slots[pidx], batch.fresh_state[pidx]
     tails = conv_pool[slots].masked_fill(fresh[:, None, None], 0)
     init = rec_pool[slots].masked_fill(fresh[:, None, None, None], 0)  # masked_fill: fresh slots may hold NaN
@@ -84,13 +104,12 @@ def kda_forward_fast(layer, x: torch.Tensor, batch: Batch, cache: CacheTensors, 
     q, kk, v = (z.contiguous() for z in y.view(tp, 3, h, k).unbind(1))
     o, final = chunk_kda_varlen(
         q, kk, v, rows(f).view(tp, h, k), rows(b).contiguous(), layer.A_log, layer.dt_bias, layer.lower_bound,
-        scale, init, cu_p, cu_cpu,
+        k**-0.5, init, cu_p, cu_cpu,
     )
     conv_pool[slots] = new_tails.to(conv_pool.dtype)
     rec_pool[slots] = final
-    o = gated_rms_norm_rows(o.contiguous(), rows(gate), layer.o_norm_weight, layer.eps, x.dtype)
+    o = gated_rms_norm_rows(o.contiguous(), rows(gate), layer.o_norm_weight, layer.eps, out.dtype)
     if tok is None:
-        out = o
-    else:
-        out[tok] = o
-    return linear(out, layer.o_proj.weight, config=plan.linear_gemv(out, layer.o_proj.weight))
+        return o
+    out[tok] = o
+    return out
