@@ -95,6 +95,20 @@ class VerifyGroup:
 
 
 @dataclass
+class DecodeRows:
+    """The MLA query rows a step sends to the decode kernel: its plain decodes, and every token of its verify
+    rows as a one-token query over the positions up to its own (token j of a row of n over a context of c
+    sees c - n + 1 + j positions: the causal mask as a context length). A verified token is then computed
+    by the kernel that computes it in a plain decode step, and no cached row is expanded to K/V."""
+
+    tokens: torch.Tensor  # [R] long: the rows' tokens among the step's, in token order
+    seqs: torch.Tensor  # [R] long: each row's sequence (its block-table row)
+    context_lens: torch.Tensor  # [R] long
+    max_context: int
+    whole_step: bool  # the rows are every token of the step (no prefill chunk): no gather, no scatter
+
+
+@dataclass
 class Batch:
     query_lens: list[int]
     context_lens: list[int]  # tokens of the sequence in the cache after this step
@@ -150,6 +164,21 @@ class Batch:
             idx = to_device(members, torch.long, dev)
             groups.append(VerifyGroup(t, rows, self.verify.slot_table[idx], self.verify.src[idx]))
         return groups
+
+    @functools.cached_property
+    def decode_rows(self) -> DecodeRows | None:
+        """The step's `DecodeRows` (None without decodes or verify rows), from host values in one copy."""
+        verify = set(self.verify.seqs) if self.verify is not None else set()
+        cu, tok, seq, ctx = self.cu_seqlens_host, [], [], []
+        for i, (n, c) in enumerate(zip(self.query_lens, self.context_lens)):
+            if n == 1 or i in verify:
+                tok += range(cu[i], cu[i] + n)
+                seq += [i] * n
+                ctx += range(c - n + 1, c + 1)
+        if not tok:
+            return None
+        packed = to_device([tok, seq, ctx], torch.long, self.cu_seqlens.device)
+        return DecodeRows(packed[0], packed[1], packed[2], max(ctx), len(tok) == cu[-1])
 
     @functools.cached_property
     def prefill_cu(self) -> tuple[list[int], torch.Tensor, torch.Tensor]:

@@ -157,36 +157,40 @@ class MLAttention(nn.Module):
         return q.view(x.shape[0], self.num_heads, self.dn + self.dr), ckv
 
     def _attend_fast(self, q_nope, q_rope, batch: Batch, cache: CacheTensors, plan: KernelPlan) -> torch.Tensor:
-        """Triton absorbed decode for one-token sequences, flash SDPA on expanded K/V for the rest."""
+        """Triton absorbed decode for one-token sequences and for the tokens of verify rows (`DecodeRows`),
+        flash SDPA on expanded K/V for prefill chunks."""
         from hyserve.ops.mla_decode import mla_absorbed_decode_fast, mla_prefill_fast
 
         t, dev = q_nope.shape[0], q_nope.device
-        qlens, ctx = batch.query_lens, batch.context_lens
-        o = torch.empty(t, self.num_heads, self.dv, dtype=q_nope.dtype, device=dev)
-        dec = [i for i, n in enumerate(qlens) if n == 1]
-        pre = [i for i, n in enumerate(qlens) if n > 1]
-        w = self.kv_b_proj.weight
-        layout = plan.mla_decode_layout
-        if dec and not pre:  # the decode output is the whole output: no copy into o
+        w, layout, pages = self.kv_b_proj.weight, plan.mla_decode_layout, cache.pages
+        if batch.decode_only and t:  # the graph-captured case: the step's own tensors, nothing built
             return mla_absorbed_decode_fast(
-                q_nope, q_rope, cache.pages, self.mla_index, batch.block_tables, batch.context_lens_device,
-                max(ctx), w, self.rank, self.dv, self.scale, layout,
+                q_nope, q_rope, pages, self.mla_index, batch.block_tables, batch.context_lens_device,
+                max(batch.context_lens), w, self.rank, self.dv, self.scale, layout,
             )
-        if dec:
-            idx = to_device(dec, torch.long, dev)
-            tok = batch.cu_seqlens[idx]
-            o[tok] = mla_absorbed_decode_fast(
-                q_nope[tok], q_rope[tok], cache.pages, self.mla_index, batch.block_tables[idx],
-                batch.context_lens_device[idx], max(ctx[i] for i in dec), w, self.rank, self.dv, self.scale, layout,
+        rows = batch.decode_rows
+        if rows is not None:
+            qn, qr = (q_nope, q_rope) if rows.whole_step else (q_nope[rows.tokens], q_rope[rows.tokens])
+            d = mla_absorbed_decode_fast(
+                qn, qr, pages, self.mla_index, batch.block_tables[rows.seqs], rows.context_lens, rows.max_context,
+                w, self.rank, self.dv, self.scale, layout,
             )
-        if pre:
-            cu = batch.cu_seqlens_host  # not a readback of the device tensor: no host sync
-            tok = host_to_device(torch.cat([torch.arange(cu[i], cu[i + 1]) for i in pre]), dev) if dec else slice(None)
-            bt = batch.block_tables[to_device(pre, torch.long, dev)] if dec else batch.block_tables
-            o[tok] = mla_prefill_fast(
-                q_nope[tok], q_rope[tok], cache.pages, self.mla_index, bt, [qlens[i] for i in pre],
-                [ctx[i] for i in pre], w, self.rank, self.dv, self.scale,
-            )
+            if rows.whole_step:
+                return d
+        o = torch.empty(t, self.num_heads, self.dv, dtype=q_nope.dtype, device=dev)
+        if rows is not None:
+            o[rows.tokens] = d
+        pre, qlens, ctx = batch.prefill_seqs, batch.query_lens, batch.context_lens
+        if not pre:
+            return o
+        cu = batch.cu_seqlens_host  # not a readback of the device tensor: no host sync
+        some = len(pre) < batch.num_seqs
+        tok = host_to_device(torch.cat([torch.arange(cu[i], cu[i + 1]) for i in pre]), dev) if some else slice(None)
+        bt = batch.block_tables[to_device(pre, torch.long, dev)] if some else batch.block_tables
+        o[tok] = mla_prefill_fast(
+            q_nope[tok], q_rope[tok], pages, self.mla_index, bt, [qlens[i] for i in pre], [ctx[i] for i in pre],
+            w, self.rank, self.dv, self.scale,
+        )
         return o
 
     def project_out(self, o: torch.Tensor, x: torch.Tensor, plan: KernelPlan) -> torch.Tensor:
