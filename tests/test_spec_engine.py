@@ -335,11 +335,55 @@ def test_spec_metrics_and_stats_line(make_llm):
     assert b"spec_decode" not in plain_text
 
 
+def _drafted_steps_under(llm, prompts, params) -> tuple[list[list[int]], list[tuple[int, bool]]]:
+    """(outputs, (running requests, whether the step verified drafts) of every step)."""
+    scheduler, steps = llm.engine.scheduler, []
+    schedule = scheduler.schedule
+
+    def spy():
+        out = schedule()
+        steps.append((len(scheduler.running), any(s.draft_ids for s in out.seqs)))
+        return out
+
+    scheduler.schedule = spy
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)], steps
+
+
+DISABLE_PARAMS = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (8, 24)]
+
+
+def test_speculation_turns_itself_off_at_disable_by_batch_size(make_llm):
+    """vLLM's disable_by_batch_size: while the running batch holds that many requests nothing drafts; once
+    the batch is smaller again, speculation resumes. The output stays plain decoding's."""
+    prompts = repetitive_prompts(2, 6)
+    plain = [o.outputs[0].token_ids for o in make_llm().generate(prompts, DISABLE_PARAMS, use_tqdm=False)]
+    llm = make_llm(speculative_config=dict(NGRAM, disable_by_batch_size=2))
+    llm.engine.spec.proposer = Oracle({tuple(p): o for p, o in zip(prompts, plain)})
+    out, steps = _drafted_steps_under(llm, prompts, DISABLE_PARAMS)
+    assert out == plain
+    assert not any(drafted for running, drafted in steps if running >= 2), steps
+    assert any(drafted for running, drafted in steps if running == 1), "speculation resumes below the limit"
+
+
+def test_dspark_turns_itself_off_at_disable_by_batch_size(make_llm, drafter_dir):
+    prompts = repetitive_prompts(2, 8)
+    plain = [o.outputs[0].token_ids for o in make_llm(enable_prefix_caching=False).generate(
+        prompts, DISABLE_PARAMS, use_tqdm=False)]
+    spec = {"method": "dspark", "model": drafter_dir, "disable_by_batch_size": 2}
+    out, steps = _drafted_steps_under(make_llm(enable_prefix_caching=False, speculative_config=spec), prompts,
+                                      DISABLE_PARAMS)
+    assert out == plain
+    assert not any(drafted for running, drafted in steps if running >= 2), steps
+    assert any(drafted for running, drafted in steps if running == 1)
+
+
 @pytest.mark.parametrize("value, message", [
     ('{"method": "dspark", "model": "/x"}', "no config.json there"),
     ('{"method": "ngram"}', "needs num_speculative_tokens"),
     ('{"method": "ngram", "num_speculative_tokens": 4, "draft_sample_method": "probabilistic"}', "one-hot"),
     ("{not json", "not valid JSON"),
+    ('{"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 1}', "disable_by_batch_size"),
+    ('{"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": true}', "disable_by_batch_size"),
 ])
 def test_bad_speculative_configs_are_refused(value, message):
     with pytest.raises(ValueError, match=message):

@@ -89,6 +89,14 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---- the step --------------------------------------------------------------------------------
+    def speculating(self) -> bool:
+        """Whether requests draft for the next step: not while the running batch holds the speculative
+        config's `disable_by_batch_size` requests (the proposers ask after each landing; a request admitted
+        later joins the running batch of the step after)."""
+        spec = self.cfg.speculative_config
+        limit = spec.disable_by_batch_size if spec is not None else None
+        return limit is None or len(self.running) < limit
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.cfg.max_num_batched_tokens

@@ -2,7 +2,7 @@
 
 vLLM's names and defaults where it has the setting (method, num_speculative_tokens, model,
 prompt_lookup_min/max, draft_sample_method, rejection_sample_method, synthetic_acceptance_rates /
-synthetic_acceptance_length). `confidence_threshold` is hyserve's own: confidence-scheduled
+synthetic_acceptance_length, disable_by_batch_size). `confidence_threshold` is hyserve's own: confidence-scheduled
 verification for drafters with a confidence head (docs/speculative_decoding.md).
 """
 
@@ -37,6 +37,9 @@ class SpeculativeConfig:
     synthetic_acceptance_rates: list[float] | None = None
     synthetic_acceptance_length: float | None = None  # mean accepted per step incl. the bonus, in [1, k+1]
     confidence_threshold: float | None = None  # verify the draft prefix whose predicted survival clears it
+    # under load speculation turns itself off: a step whose running batch holds at least this many requests
+    # verifies no drafts (a full batch is bound by the weights' reads, which drafts do not share out)
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -53,6 +56,9 @@ class SpeculativeConfig:
             raise ValueError(f"rejection_sample_method must be one of {', '.join(REJECTION_SAMPLE_METHODS)}, "
                              f"got {self.rejection_sample_method!r}")
         self._check_synthetic()
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 2:
+            raise ValueError(f"disable_by_batch_size must be >= 2 (a batch of one always speculates), "
+                             f"got {self.disable_by_batch_size}")
         if self.confidence_threshold is not None:
             if self.method != "dspark":
                 raise ValueError("confidence_threshold needs a drafter with a confidence head (method 'dspark')")
@@ -119,7 +125,7 @@ _FIELDS = {f.name: f for f in dataclasses.fields(SpeculativeConfig)}
 _STR, _INT, _NUM = ((str,), "a string"), ((int,), "an integer"), ((int, float), "a number")
 _TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "method": _STR, "model": _STR, "draft_sample_method": _STR, "rejection_sample_method": _STR,
-    "num_speculative_tokens": _INT, "prompt_lookup_min": _INT, "prompt_lookup_max": _INT,
+    "num_speculative_tokens": _INT, "prompt_lookup_min": _INT, "prompt_lookup_max": _INT, "disable_by_batch_size": _INT,
     "synthetic_acceptance_length": _NUM, "confidence_threshold": _NUM,
     "synthetic_acceptance_rates": ((list,), "a list of numbers"),
 }

@@ -34,8 +34,7 @@ if TYPE_CHECKING:
 
 class DSparkDecoder(SpecDecoder):
     def __init__(self, spec: SpeculativeConfig, max_model_len: int, model: torch.nn.Module, eager: bool, scheduler):
-        super().__init__(spec, max_model_len)
-        self.scheduler = scheduler
+        super().__init__(spec, max_model_len, scheduler)
         if not eager:
             raise ValueError("speculative method 'dspark' reads the target's features through forward hooks, "
                              "which a CUDA-graph replay does not run: add --enforce-eager")
@@ -91,7 +90,7 @@ class DSparkDecoder(SpecDecoder):
         for r in reqs:
             if r.is_finished:
                 self.proposer.free(r.request_id)
-        if not live:
+        if not live or not self.scheduler.speculating():  # under load the drafter's forward is saved too
             return
         anchors = torch.tensor([r.output_token_ids[-1] for r in live], device=self.model.lm_head.weight.device)
         probabilistic = self.config.draft_sample_method == "probabilistic"

@@ -39,12 +39,12 @@ def make_decoder(spec: SpeculativeConfig, max_model_len: int, model: torch.nn.Mo
         from hyserve.spec_decode.engine_dspark import DSparkDecoder
 
         return DSparkDecoder(spec, max_model_len, model, eager, scheduler)
-    return SpecDecoder(spec, max_model_len)
+    return SpecDecoder(spec, max_model_len, scheduler)
 
 
 class SpecDecoder:
-    def __init__(self, spec: SpeculativeConfig, max_model_len: int):
-        self.config = spec
+    def __init__(self, spec: SpeculativeConfig, max_model_len: int, scheduler):
+        self.config, self.scheduler = spec, scheduler
         if spec.method == "ngram":
             self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max,
                                           spec.num_speculative_tokens, max_model_len)
@@ -63,6 +63,8 @@ class SpecDecoder:
         live = [r for r in reqs if not r.is_finished and r.matcher is None and not r.num_pending]
         for r in reqs:
             r.spec_token_ids = []
+        if not self.scheduler.speculating():  # under load (disable_by_batch_size) nothing drafts
+            return
         for r, drafts in zip(live, self.proposer.propose([r.all_token_ids for r in live])):
             r.spec_token_ids = drafts
 
