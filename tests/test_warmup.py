@@ -121,3 +121,44 @@ def test_the_warmup_is_on_by_default_for_cuda_only():
     assert resolve_config(EngineConfig(), "cuda:0", "bfloat16").warmup is True
     assert resolve_config(EngineConfig(), "cpu", "float32").warmup is False
     assert resolve_config(EngineConfig(warmup=False), "cuda", "bfloat16").warmup is False
+
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def test_a_speculating_engine_warms_up_verify_rows_of_every_draft_count(make_engine):
+    engine = make_engine(warmup=False, max_num_batched_tokens=48, max_num_seqs=8, speculative_config=SPEC)
+    plan = plan_warmup(engine.cfg, engine.max_model_len, engine.kv, decode_graphs=True)
+    verify = [s for s in plan if s.drafts]
+    assert sorted({s.drafts for s in verify}) == [1, 2, 3]
+    for k in (1, 2, 3):
+        rows = [s for s in verify if s.drafts == k]
+        assert all(set(s.query_lens) == {1 + k} for s in rows)
+        assert {len(s.query_lens) for s in rows} == {1, 8}  # one sequence and the most the slots allow
+        assert max(s.context_lens[0] for s in rows) == engine.max_model_len
+    assert not [s for s in plan_warmup(engine.cfg, engine.max_model_len, engine.kv, True) if s.drafts and
+                len(s.query_lens) * engine.kv.spec_width > engine.kv.slots.num_free]
+    plain = make_engine(warmup=False, max_num_batched_tokens=48, max_num_seqs=8)
+    assert not [s for s in plan_warmup(plain.cfg, plain.max_model_len, plain.kv, True) if s.drafts]
+
+
+def test_the_verify_warmup_runs_the_planned_rows_and_leaves_pools_and_outputs_as_they_were(make_engine, tiny_model):
+    weights, _ = tiny_model("k3-tiny")
+    kw = dict(max_num_batched_tokens=48, max_num_seqs=4, speculative_config=SPEC)
+    cold = make_engine(warmup=False, **kw)
+    plan = plan_warmup(cold.cfg, cold.max_model_len, cold.kv, decode_graphs=False)
+    verified: list[bool] = []
+    hook = weights.register_forward_pre_hook(lambda _m, args: verified.append(args[1].verify is not None))
+    with recorded_forwards(weights) as seen:
+        warm = make_engine(warmup=True, **kw)
+    hook.remove()
+    assert seen == [(s.query_lens, s.context_lens) for s in plan]
+    assert verified == [bool(s.drafts) for s in plan] and any(verified)  # verify rows, not prompt chunks
+    warm.kv.check_empty()
+    assert list(warm.kv.blocks.free_queue) == list(cold.kv.blocks.free_queue)
+    assert warm.kv.slots.free_slots == cold.kv.slots.free_slots
+    prompts = [([7, 8, 9] * 9)[:n] for n in (10, 25)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in batch(warm, prompts, params)] == \
+        [o.outputs[0].token_ids for o in batch(cold, prompts, params)]
+    assert warm.stats.spec_decode.num_drafts > 0

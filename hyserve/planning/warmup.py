@@ -11,8 +11,10 @@ budget, and the budget itself):
   - a mixed step of T tokens: a chunk over a cached context beside one decode of a long context, and
     beside as many decodes of a short context as the step and the running set allow.
 Decode-only steps at the graph ladder's batch sizes (long and short contexts) are added when no decode
-graphs will be captured (`--enforce-eager`): eager decodes compile on first use too. Contexts stay within
-max_model_len and the pages the pool can lend.
+graphs will be captured (`--enforce-eager`): eager decodes compile on first use too. With speculative
+decoding, verify steps of every draft count k (1 + k tokens a sequence: the KDA verify kernel compiles per
+row length) at one sequence and at the most the slots allow, over a short and a long context; verify steps
+run eagerly, graphs or not. Contexts stay within max_model_len and the pages the pool can lend.
 
 The steps run on pages and running state slots lent by the cache manager's pools and given back in the
 order taken, so the pools are exactly as they were (only the lent rows' contents change, and nothing reads
@@ -40,6 +42,7 @@ from hyserve.sampling_params import SamplingParams
 from hyserve.startup import StartupClock
 
 log = logging.getLogger(__name__)
+VERIFY = -1  # the rung of the verify steps
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,8 @@ class WarmupStep:
     query_lens: tuple[int, ...]  # per sequence: tokens computed in the step
     context_lens: tuple[int, ...]  # per sequence: its length after the step
     label: str
-    rung: int  # the ladder's token count this step belongs to
+    rung: int  # the ladder's token count this step belongs to (0: eager decodes, VERIFY: verify steps)
+    drafts: int = 0  # verify steps: every sequence verifies this many drafts after its last token
 
     @property
     def num_tokens(self) -> int:
@@ -97,6 +101,23 @@ def plan_warmup(cfg: EngineConfig, max_model_len: int, kv: KVCacheManager, decod
     if not decode_graphs:
         for n in graph_batch_sizes(min(seqs, cfg.max_num_batched_tokens)):
             steps += [WarmupStep((1,) * n, (ctx,) * n, f"{n} decodes over {ctx}", 0) for ctx in sorted({short, longest})]
+    return steps + _verify_steps(cfg, kv, longest, seqs, short)
+
+
+def _verify_steps(cfg: EngineConfig, kv: KVCacheManager, longest: int, seqs: int, short: int) -> list[WarmupStep]:
+    """Verify steps of every draft count (speculative decoding only): each sequence takes a row of
+    `kv.spec_width` state slots."""
+    if cfg.speculative_config is None:
+        return []
+    width = kv.spec_width
+    most = min(seqs, kv.slots.num_free // width)
+    steps = []
+    for k in range(1, width if most else 1):  # the engine refuses 1 + K over the token budget
+        for n in sorted({1, min(most, cfg.max_num_batched_tokens // (1 + k))}):
+            for ctx in sorted({max(short, k + 2), longest}):
+                if ctx <= longest:  # a verify row continues a sequence: its context holds 1 + k and more
+                    steps.append(WarmupStep((1 + k,) * n, (ctx,) * n, f"{n} verify rows of 1 + {k} over {ctx}",
+                                            VERIFY, drafts=k))
     return steps
 
 
@@ -119,23 +140,34 @@ def _run(model, kv: KVCacheManager, steps: list[WarmupStep]) -> float:
         return 0.0
     t0, runner, vocab = time.perf_counter(), ModelRunner(model, kv), model.config.vocab_size
     pages = kv.blocks.allocate(-(-max(max(s.context_lens) for s in steps) // kv.block_size))
-    slots = [kv.slots.allocate() for _ in range(max(len(s.query_lens) for s in steps))]
+    slots = [kv.slots.allocate() for _ in range(max(len(s.query_lens) * (kv.spec_width if s.drafts else 1)
+                                                    for s in steps))]
     try:
         for i, step in enumerate(steps):
-            seqs = []
-            for j, (q, n) in enumerate(zip(step.query_lens, step.context_lens)):
-                req = Request(f"warmup-{i}-{j}", _ids(n, vocab), SamplingParams(), max_tokens=1)
-                req.block_ids, req.state_slot = pages[: -(-n // kv.block_size)], slots[j]
-                seqs.append(ScheduledSeq(req, q, n - q, fresh=n == q))
-            runner.execute(SchedulerOutput(seqs))
+            runner.execute(SchedulerOutput([_seq(step, i, j, pages, slots, kv, vocab) for j in range(len(step.query_lens))]))
             log.debug("warm-up step %d/%d: %s", i + 1, len(steps), step.label)
             if i + 1 == len(steps) or steps[i + 1].rung != step.rung:
                 if model.device.type == "cuda":
                     torch.cuda.synchronize(model.device)
-                what = f"{step.rung} tokens" if step.rung else "eager decodes"
+                what = {0: "eager decodes", VERIFY: "verify steps"}.get(step.rung, f"{step.rung} tokens")
                 log.info("warm-up: %s done (%d/%d steps, %.1f s)", what, i + 1, len(steps), time.perf_counter() - t0)
     finally:
         kv.blocks.free(pages)
         for s in reversed(slots):
             kv.slots.free(s)
     return time.perf_counter() - t0
+
+
+def _seq(step: WarmupStep, i: int, j: int, pages: list[int], slots: list[int], kv: KVCacheManager,
+         vocab: int) -> ScheduledSeq:
+    """Sequence j of warm-up step i on the lent pages and slots; a verify row holds the tokens up to its
+    last one and verifies `step.drafts` more, from column 0 of its own row of slots."""
+    q, n, k = step.query_lens[j], step.context_lens[j], step.drafts
+    req = Request(f"warmup-{i}-{j}", _ids(n - k, vocab), SamplingParams(), max_tokens=1)
+    req.block_ids = pages[: -(-n // kv.block_size)]
+    if not k:
+        req.state_slot = slots[j]
+        return ScheduledSeq(req, q, n - q, fresh=n == q)
+    req.spec_slots = slots[j * kv.spec_width : (j + 1) * kv.spec_width]
+    req.state_slot = req.spec_slots[0]
+    return ScheduledSeq(req, q, n - q, fresh=False, draft_ids=_ids(k, vocab))
