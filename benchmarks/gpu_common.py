@@ -129,3 +129,13 @@ def report(title: str, command: str, table: list[str], notes: list[str], out_nam
         target.parent.mkdir(parents=True, exist_ok=True)
         with open(target, "a") as fh:
             fh.write(text)
+
+
+def print_or_report(script: str, argv: list[str] | None, title: str, table: list[str], notes: list[str],
+                    out_name: str, print_only: bool) -> None:
+    """The table printed (`print_only`: a dry run or --no-append), or `report`ed with the command line."""
+    if print_only:
+        print("\n".join(table + [""] + notes))
+        return
+    command = " ".join([f"python benchmarks/{script}", *(sys.argv[1:] if argv is None else argv)])
+    report(title, command, table, notes, out_name)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
-import sys
 
 import torch
 from offline_throughput import timed_batch
@@ -122,13 +121,10 @@ def main(argv: list[str] | None = None) -> None:
             f"batch {n} {modes[g, a]} " + ", ".join(f"{x:.2f}" for x in v) for (n, g, a), v in args.passes.items()) + ".")
     if ceil is not None:
         notes.append(f"Copy bandwidth in this run: {ceil['copy_tbs']:.2f} TB/s.")
-    if args.no_append or not cuda:
-        print("\n".join(table + [""] + notes))
-        return
-    from gpu_common import report
+    from gpu_common import print_or_report
 
-    command = " ".join(["python benchmarks/gpu_engine_decode.py", *(sys.argv[1:] if argv is None else argv)])
-    report(f"Engine decode with and without CUDA graphs, {args.model}", command, table, notes, "gpu_engine_decode.md")
+    print_or_report("gpu_engine_decode.py", argv, f"Engine decode with and without CUDA graphs, {args.model}", table,
+                    notes, "gpu_engine_decode.md", args.no_append or not cuda)
 
 
 if __name__ == "__main__":

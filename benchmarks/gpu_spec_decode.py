@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import time
 
 from hyserve import LLM, SamplingParams
@@ -110,13 +109,10 @@ def main(argv: list[str] | None = None) -> None:
                          f"{accept[b]:.2f} |")
     notes = [f"Workload `{args.workload}`, prompts of {args.prompt_len} tokens ({'held-out, their own lengths' if args.workload == 'heldout' else 'fixed'}), "
              f"{args.output_len} output tokens, greedy, prefix caching off, {'eager' if args.eager else 'CUDA graphs'}."]
-    if args.no_append or args.device != "cuda":
-        print("\n".join(table + [""] + notes))
-        return
-    from gpu_common import report
+    from gpu_common import print_or_report
 
-    command = " ".join(["python benchmarks/gpu_spec_decode.py", *(sys.argv[1:] if argv is None else argv)])
-    report(f"Speculative decoding off and on, {args.model}", command, table, notes, "gpu_spec_decode.md")
+    print_or_report("gpu_spec_decode.py", argv, f"Speculative decoding off and on, {args.model}", table, notes,
+                    "gpu_spec_decode.md", args.no_append or args.device != "cuda")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ aligned to the chunk's end), several sequences laid end to end."""
 from __future__ import annotations
 
 import torch
+from dsa_util import paged_pool
 
 from hyserve.ops import mla_attention as ref
 from hyserve.ops.mla_decode import mla_prefill_fast
@@ -12,23 +13,11 @@ from hyserve.ops.mla_decode import mla_prefill_fast
 H, DN, DR, DV, R, BS = 4, 16, 8, 16, 32, 8
 
 
-def _pages(ctx: list[int], gen: torch.Generator, layers: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
-    blocks = [(c + BS - 1) // BS for c in ctx]
-    nb = sum(blocks) + 2
-    pages = torch.randn(nb, layers, BS, R + DR, generator=gen)
-    perm = torch.randperm(nb, generator=gen)
-    bt = torch.full((len(ctx), max(blocks)), -1, dtype=torch.long)
-    s = 0
-    for i, n in enumerate(blocks):
-        bt[i, :n] = perm[s : s + n]
-        s += n
-    return pages, bt
-
-
 def test_prefill_chunks_with_and_without_cached_context_match_the_reference():
     gen = torch.Generator().manual_seed(0)
     ql, cl = [13, 5, 1, 9], [13, 40, 17, 9 + 24]  # from 0; over 35 cached rows; one token; over 24
-    pages, bt = _pages(cl, gen)
+    pages, bt = paged_pool(cl, R + DR, torch.float32, bs=BS)
+    pages.normal_(generator=gen)
     kvb = torch.randn(H * (DN + DV), R, generator=gen) * 0.2
     qn, qr = torch.randn(sum(ql), H, DN, generator=gen), torch.randn(sum(ql), H, DR, generator=gen)
     scale = (DN + DR) ** -0.5
