@@ -168,10 +168,10 @@ class Batch:
     @functools.cached_property
     def decode_rows(self) -> DecodeRows | None:
         """The step's `DecodeRows` (None without decodes or verify rows), from host values in one copy."""
-        verify = set(self.verify.seqs) if self.verify is not None else set()
+        pre = set(self.prefill_seqs)  # every other sequence is a plain decode or a verify row
         cu, tok, seq, ctx = self.cu_seqlens_host, [], [], []
         for i, (n, c) in enumerate(zip(self.query_lens, self.context_lens)):
-            if n == 1 or i in verify:
+            if i not in pre:
                 tok += range(cu[i], cu[i] + n)
                 seq += [i] * n
                 ctx += range(c - n + 1, c + 1)
