@@ -12,7 +12,9 @@ length, each engine built by `LLM(...)` with and without `speculative_config` (i
         --spec '{"method": "ngram", "num_speculative_tokens": 3}' --no-append     # a CPU dry run
 
 Per configuration one engine (max_num_seqs = the largest batch, prefix caching off, greedy, ignore_eos);
-per batch size an untimed pass first (it compiles), then a timed one. TPOT = the time from the step in which
+per batch size an untimed pass first (it compiles), then a timed one. The last column counts the requests
+whose greedy tokens equal speculation off's (synthetic acceptance emits tokens the target did not choose:
+not expected to match). TPOT = the time from the step in which
 every request had its first token to the last request's end, over the output tokens after the first (what
 a client streaming the batch waits per token). The acceptance length is vLLM's 1 + accepted / drafts over
 the timed pass. Workloads: `heldout` (the prompts the drafter's training held out: the target's own held-out
@@ -50,39 +52,41 @@ def prompts_for(llm: LLM, workload: str, n: int, length: int, seed: int) -> list
     return prompts
 
 
-def run_batch(llm: LLM, prompts: list[list[int]], output_len: int) -> float:
-    """TPOT in ms of one batch (see the module docstring)."""
+def run_batch(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
+    """TPOT in ms of one batch (see the module docstring), and each request's output tokens."""
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, params)
-    started, t_first = set(), None
+    started, t_first, tokens = set(), None, {f"r{i}": [] for i in range(len(prompts))}
     while engine.has_unfinished_requests():
         for d in engine.step_deltas():
             if d.error:
                 raise RuntimeError(f"request {d.request_id} failed: {d.error}")
+            for c in d.completions:
+                tokens[d.request_id] += c.token_ids
             if any(c.token_ids for c in d.completions):
                 started.add(d.request_id)
         if t_first is None and len(started) == len(prompts):
             t_first = time.perf_counter()
-    return (time.perf_counter() - t_first) / max(output_len - 1, 1) * 1e3
+    return (time.perf_counter() - t_first) / max(output_len - 1, 1) * 1e3, list(tokens.values())
 
 
-def measure(args, spec: dict | None) -> tuple[dict[int, float], dict[int, float | None]]:
+def measure(args, spec: dict | None) -> tuple[dict[int, float], dict[int, float | None], dict[int, list]]:
     kw = dict(device=args.device, max_num_seqs=max(args.batch_list), enable_prefix_caching=False,
               max_model_len=args.prompt_len + args.output_len + 64, enforce_eager=args.eager)
     llm = LLM(args.model, speculative_config=spec, **kw) if spec is not None else LLM(args.model, **kw)
-    tpot, accept = {}, {}
+    tpot, accept, outputs = {}, {}, {}
     for b in args.batch_list:
         prompts = prompts_for(llm, args.workload, b, args.prompt_len, seed=b)
         run_batch(llm, prompts, min(16, args.output_len))  # compiles the shapes of this batch size
         stats = llm.engine.stats.spec_decode
         before = (stats.num_drafts, stats.num_accepted_tokens) if stats is not None else None
-        tpot[b] = run_batch(llm, prompts, args.output_len)
+        tpot[b], outputs[b] = run_batch(llm, prompts, args.output_len)
         accept[b] = None if stats is None else \
             1 + (stats.num_accepted_tokens - before[1]) / max(stats.num_drafts - before[0], 1)
     del llm
-    return tpot, accept
+    return tpot, accept, outputs
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -99,14 +103,15 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     args.batch_list = [int(b) for b in args.batches.split(",")]
     specs = [json.loads(s) for s in args.spec]
-    off, _ = measure(args, None)
-    table = ["| speculative config | batch | TPOT off ms | TPOT on ms | off / on | mean acceptance length |",
-             "|---|---|---|---|---|---|"]
+    off, _, plain = measure(args, None)
+    table = ["| speculative config | batch | TPOT off ms | TPOT on ms | off / on | mean acceptance length "
+             "| requests with off's tokens |", "|---|---|---|---|---|---|---|"]
     for spec in specs:
-        on, accept = measure(args, spec)
+        on, accept, got = measure(args, spec)
         for b in args.batch_list:
+            same = sum(x == y for x, y in zip(got[b], plain[b]))
             table.append(f"| `{json.dumps(spec)}` | {b} | {off[b]:.2f} | {on[b]:.2f} | {off[b] / on[b]:.2f}x | "
-                         f"{accept[b]:.2f} |")
+                         f"{accept[b]:.2f} | {same}/{b} |")
     notes = [f"Workload `{args.workload}`, prompts of {args.prompt_len} tokens ({'held-out, their own lengths' if args.workload == 'heldout' else 'fixed'}), "
              f"{args.output_len} output tokens, greedy, prefix caching off, {'eager' if args.eager else 'CUDA graphs'}."]
     from gpu_common import print_or_report

@@ -64,8 +64,9 @@ def verify_step(layer: KimiDeltaAttention, dtype: torch.dtype, device: str, seed
         else:
             state_slots.append(order.pop())
     qlens, fresh = [q for _, q, _, _ in step], [f for *_, f in step]
-    batch = Batch.build(qlens, [q + 5 * (not f) for q, f in zip(qlens, fresh)], [[0]] * len(step), 16, state_slots,
-                        fresh, device)
+    ctx = [q + 5 * (not f) for q, f in zip(qlens, fresh)]
+    # KDA reads no page: every table row is block 0, as many times as the context needs
+    batch = Batch.build(qlens, ctx, [[0] * -(-c // 16) for c in ctx], 16, state_slots, fresh, device)
     batch.verify = VerifyRows([i for i, s in enumerate(step) if s[0] == "verify"], torch.tensor(tables, device=device),
                               torch.tensor([s[2] for s in step if s[0] == "verify"], device=device))
     conv = torch.randn(slots, 1, 3 * h * k, w - 1, generator=gen).to(dtype)

@@ -37,7 +37,7 @@ from hyserve.engine.cuda_graphs import DecodeGraphs
 from hyserve.engine.engine_core import EngineDeadError
 from hyserve.engine.kv_cache import CachePlan
 from hyserve.engine.model_runner import ModelRunner, StepLogits
-from hyserve.engine.step_inputs import StepInputs
+from hyserve.engine.step_inputs import StepInputs, StepLayout
 from hyserve.models.batch import CacheTensors
 from hyserve.models.loader import read_model_config
 from hyserve.ops.device_spec import DeviceSpec
@@ -180,6 +180,8 @@ class RankGraphs(DecodeGraphs):
         self.max_blocks = -(-max_model_len // kv.block_size)
         p = max(self.sizes[-1], max_prev_rows or 0)
         self.max_prev = p + (p & 1)  # as DecodeGraphs computes it on every rank
+        self.verify_sizes = {}  # verify steps of a parallel engine run eagerly
+        self._layouts = {(s, 1): StepLayout(s, s, 0, self.max_blocks) for s in self.sizes}
         self.graphs = {}
         workers.run(worker.build_graphs, max_model_len, sizes, max_prev_rows)
 

@@ -113,8 +113,8 @@ def build_graphs(state: ParallelState, key: str, max_model_len: int, sizes: list
     eng.graphs = graphs
 
 
-def capture(state: ParallelState, key: str) -> list[int]:
-    """Capture this rank's decode graphs (CUDA only); the batch sizes captured."""
+def capture(state: ParallelState, key: str) -> list[tuple[int, int]]:
+    """Capture this rank's decode graphs (CUDA only); the (batch size, tokens per row) captured."""
     eng = _ENGINES[key]
     eng.graphs.capture()
     return sorted(eng.graphs.graphs)

@@ -17,7 +17,7 @@ import torch
 from hyserve import compile_cache
 from hyserve.config import EngineConfig, log_startup, resolve_config
 from hyserve.distributed.executor import RankGraphs, RankRunner, RankWorkers
-from hyserve.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from hyserve.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes, verify_graph_sizes
 from hyserve.engine.engine_core import EngineDeadError
 from hyserve.engine.kv_cache import KVCacheManager, plan_cache
 from hyserve.engine.model_runner import ModelRunner
@@ -170,8 +170,14 @@ class LLMEngine:
             # a decode step has at most one token per sequence, so the token budget caps it too
             max_batch = min(self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens)
             # a step samples at most max_batch tokens: the next step reads them from the graphs' buffer
-            graphs = (RankGraphs if split else DecodeGraphs)(self.model, self.kv, self.max_model_len,
-                                                             graph_batch_sizes(max_batch), max_batch)
+            sizes = graph_batch_sizes(max_batch)
+            if split:
+                graphs = RankGraphs(self.model, self.kv, self.max_model_len, sizes, max_batch)
+            else:  # verify graphs: not for a DSA indexer, which plans verify rows from host values
+                dsa = self.model_config.index_topk is not None
+                verify = {} if dsa else verify_graph_sizes(self.cfg.speculative_config, max_batch, self.kv.block_size)
+                graphs = DecodeGraphs(self.model, self.kv, self.max_model_len, sizes, max_batch, verify,
+                                      self.kv.spec_width)
             graphs.capture()  # after the cache is allocated: graphs take what memory is left
             self.startup.lap("graph capture")
         return (RankRunner if split else ModelRunner)(self.model, self.kv, graphs)

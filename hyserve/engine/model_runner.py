@@ -13,7 +13,7 @@ import torch
 from hyserve.engine.cuda_graphs import DecodeGraphs
 from hyserve.engine.kv_cache import KVCacheManager
 from hyserve.engine.scheduler import ScheduledSeq, SchedulerOutput
-from hyserve.engine.step_inputs import Padding, PendingTokens, StepInputs, build_step_inputs
+from hyserve.engine.step_inputs import PendingTokens, StepInputs, build_step_inputs
 from hyserve.models.batch import to_device
 from hyserve.models.kimi import KimiForCausalLM
 
@@ -29,6 +29,15 @@ def _wants_prompt_logits(s: ScheduledSeq) -> bool:
     return s.req.params.prompt_logprobs is not None and s.start < s.req.num_prompt_tokens
 
 
+def _row_tokens(seqs: list[ScheduledSeq]) -> int | None:
+    """The new tokens of every sequence when they are all decodes or all verify rows of one draft count,
+    else None (a step a graph does not cover)."""
+    q = seqs[0].num_new_tokens
+    if any(s.num_new_tokens != q or len(s.draft_ids) != q - 1 for s in seqs):
+        return None
+    return q
+
+
 class ModelRunner:
     def __init__(self, model: KimiForCausalLM, kv: KVCacheManager, graphs: DecodeGraphs | None = None):
         """`graphs`: decode steps that fit its ladder run through its static buffers (replayed CUDA
@@ -38,12 +47,14 @@ class ModelRunner:
         self._pin = self.device.type == "cuda"
 
     def uses_graph(self, out: SchedulerOutput) -> bool:
-        """One new token per sequence, no prompt logprobs, and a batch the ladder covers."""
+        """The same number of new tokens in every sequence (one, or 1 + k for verify rows that all carry k
+        drafts), no prompt logprobs, and a batch the ladder of that length covers."""
         if self.graphs is None or not out.seqs:
             return False
-        if any(s.num_new_tokens != 1 or _wants_prompt_logits(s) for s in out.seqs):
+        q = _row_tokens(out.seqs)
+        if q is None or any(_wants_prompt_logits(s) for s in out.seqs):
             return False
-        return self.graphs.size_for(len(out.seqs), max(len(s.req.block_ids) for s in out.seqs)) is not None
+        return self.graphs.size_for(len(out.seqs), max(len(s.req.block_ids) for s in out.seqs), q) is not None
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, pending: PendingTokens | None = None) -> StepLogits:
@@ -59,10 +70,10 @@ class ModelRunner:
         graphs, kv = self.graphs, self.kv
         if pending is not None and pending.token_ids.numel() > graphs.max_prev:
             pending = pending.only([s.req for s in seqs])  # more sampled rows than the buffer holds
-        longest = max(len(s.req.block_ids) for s in seqs)
-        size = graphs.size_for(len(seqs), longest)
+        longest, q = max(len(s.req.block_ids) for s in seqs), _row_tokens(seqs)
+        size = graphs.size_for(len(seqs), longest, q)
         inputs = build_step_inputs(
-            seqs, kv.block_size, pending, pad=Padding(size, kv.scratch_block, kv.scratch_slot),
+            seqs, kv.block_size, pending, pad=graphs.padding(size, q),
             width=graphs.table_width(size, longest), prev_len=graphs.max_prev, sampled=False, pin=self._pin,
         )
         return inputs, pending

@@ -9,6 +9,8 @@ reaches the device in one non-blocking copy:
     cu     [N + 1]   cu_seqlens
     logits [S]       the index of each sampling sequence's last token
     fresh  [N] bool  bytes of the buffer's words, padded to 8 bytes
+    spec   [N, 1+K]  speculative steps: the verify sequences' state-slot rows, first rows first
+    src    [N]       and the column of each one's current state
     tables [N, W]    block tables, -1 past each row's blocks (last: a wide table can travel on its own)
 
 each row starting 16-byte aligned.
@@ -54,34 +56,36 @@ class StepLayout:
     num_seqs: int
     num_sampled: int
     width: int  # block-table columns
+    spec_width: int = 0  # 1 + K state-slot columns of a verify sequence (0: the step verifies nothing)
 
     @functools.cached_property
     def offsets(self) -> list[int]:
         """Where each row starts, then the total: 16-byte aligned, so the alignment Triton specializes
         kernels on never changes with the step's sizes (a change would compile another variant)."""
-        t, n = self.num_tokens, self.num_seqs
+        t, n, v = self.num_tokens, self.num_seqs, self.spec_width
         out, at = [], 0
-        for k in (t, t, t, t, n, n, n + 1, self.num_sampled, -(-n // 8), n * self.width):
+        for k in (t, t, t, t, n, n, n + 1, self.num_sampled, -(-n // 8), n * v, n if v else 0, n * self.width):
             out.append(at)
             at += k + (k & 1)
         return out + [at]
 
     @property
     def table_offset(self) -> int:
-        return self.offsets[9]
+        return self.offsets[11]
 
     @property
     def words(self) -> int:
-        return self.offsets[10]
+        return self.offsets[12]
 
     def views(self, flat) -> StepViews:
         """The named rows of `flat` (a torch tensor or a numpy array of this layout)."""
-        t, n, o = self.num_tokens, self.num_seqs, self.offsets
+        t, n, v, o = self.num_tokens, self.num_seqs, self.spec_width, self.offsets
         ids, pos, slot, src = (flat[o[i] : o[i] + t] for i in range(4))
         fresh = flat[o[8] : o[9]].view(torch.bool if isinstance(flat, torch.Tensor) else np.bool_)[:n]
         return StepViews(ids, pos, slot, src, flat[o[4] : o[4] + n], flat[o[5] : o[5] + n], flat[o[6] : o[6] + n + 1],
                          flat[o[7] : o[7] + self.num_sampled], fresh,
-                         flat[o[9] : o[9] + n * self.width].reshape(n, self.width))
+                         flat[o[11] : o[11] + n * self.width].reshape(n, self.width),
+                         flat[o[9] : o[9] + n * v].reshape(n, v), flat[o[10] : o[10] + (n if v else 0)])
 
 
 @dataclass
@@ -96,12 +100,14 @@ class StepViews:
     logits_indices: torch.Tensor
     fresh_state: torch.Tensor
     block_tables: torch.Tensor
+    spec_slots: torch.Tensor  # [N, 1+K]: row j is verify sequence j's (the first len(verify.seqs) rows)
+    spec_src: torch.Tensor  # [N]
 
     def batch(self, query_lens: list[int], context_lens: list[int], verify: VerifyInputs | None = None) -> Batch:
         rows = None
         if verify is not None:
-            dev = self.cu_seqlens.device
-            rows = VerifyRows(verify.seqs, to_device(verify.slot_table, torch.long, dev), to_device(verify.src, torch.long, dev))
+            nv = len(verify.seqs)
+            rows = VerifyRows(verify.seqs, self.spec_slots[:nv], self.spec_src[:nv])
         return Batch(query_lens, context_lens, self.cu_seqlens, self.positions, self.block_tables, self.slot_mapping,
                      self.state_slots, self.fresh_state, context_lens_device=self.context_lens, verify=rows)
 
@@ -119,11 +125,14 @@ class StepInputs:
 
 @dataclass(frozen=True)
 class Padding:
-    """Pad a decode step to `rows` rows that decode token 0 at position 0 into the scratch page and slot."""
+    """Pad a step whose rows all hold `tokens` new tokens (decodes, or verify rows of one draft count) to
+    `rows` rows that run token 0 at positions 0.. into the scratch page and scratch state slot."""
 
     rows: int
     scratch_block: int
     scratch_slot: int
+    tokens: int = 1
+    spec_width: int = 0  # verify rows: their slot rows' width (every column of a padding row is the scratch slot)
 
 
 def _known_ids(req: Request, start: int, end: int) -> list[int]:
@@ -206,11 +215,12 @@ def build_step_inputs(seqs: list[ScheduledSeq], block_size: int, pending: Pendin
     pending's); `sampled`: lay out the logits gather indices; `pin`: a pinned buffer (bound for CUDA)."""
     r, m = _Rows(seqs), len(seqs)
     n = pad.rows if pad is not None else m
-    t = n if pad is not None else r.num_tokens
+    t = n * pad.tokens if pad is not None else r.num_tokens
     w = width or max(map(len, r.tables), default=1) or 1
     spec = VerifyInputs.of(seqs, r) if r.verify else None
     num_logits = (sum(spec.logit_counts) if spec is not None else len(r.rows)) if sampled else 0
-    layout = StepLayout(t, n, num_logits, w)
+    spec_width = pad.spec_width if pad is not None else len(spec.slot_table[0]) if spec is not None else 0
+    layout = StepLayout(t, n, num_logits, w, spec_width)
     flat = torch.empty(layout.words, dtype=torch.long, pin_memory=pin)
     v = layout.views(flat.numpy())
     v.block_tables.fill(-1)
@@ -229,15 +239,15 @@ def build_step_inputs(seqs: list[ScheduledSeq], block_size: int, pending: Pendin
         pos = np.repeat(v.context_lens[:m] - qa - v.cu_seqlens[:m], qa) + np.arange(r.num_tokens)
     v.positions[: r.num_tokens] = pos
     v.slot_mapping[: r.num_tokens] = v.block_tables[seq_of, pos // block_size] * block_size + pos % block_size
+    if spec is not None:
+        nv = len(r.verify)
+        v.spec_slots[:nv], v.spec_src[:nv] = spec.slot_table, spec.src
     if sampled and spec is not None:
         _verify_logits(v, r, spec)
     elif sampled:
         v.logits_indices[:] = v.cu_seqlens[1:][r.rows] - 1
-    if pad is not None:  # decode steps only: one token per row
-        v.context_lens[m:], v.state_slots[m:], v.fresh_state[m:] = 1, pad.scratch_slot, True
-        v.input_ids[m:], v.positions[m:], v.slot_mapping[m:] = 0, 0, pad.scratch_block * block_size
-        v.cu_seqlens[m + 1 :] = np.arange(m + 1, n + 1)
-        v.block_tables[m:, 0] = pad.scratch_block
+    if pad is not None:
+        _pad(v, m, r.num_tokens, pad, block_size)
     if prev_len is None:
         prev_len = pending.token_ids.numel() if pending is not None else 0
     v.id_sources[:] = np.arange(prev_len, prev_len + t)
@@ -246,3 +256,19 @@ def build_step_inputs(seqs: list[ScheduledSeq], block_size: int, pending: Pendin
             raise RuntimeError(f"request {req.request_id}: a scheduled token's id is not known")
         v.id_sources[at] = pending.rows[req]
     return StepInputs(flat, layout, r.q, r.ctx, r.rows, bool(r.pending), spec)
+
+
+def _pad(v: StepViews, m: int, num_tokens: int, pad: Padding, block_size: int) -> None:
+    """Rows m.. of a step whose rows all hold pad.tokens tokens: token 0 at positions 0..tokens-1 of the
+    scratch page, from a zero state in the scratch slot (a verify row's every column)."""
+    q, n = pad.tokens, pad.rows
+    if q > block_size:
+        raise ValueError(f"padding rows of {q} tokens do not fit one scratch page of {block_size}")
+    v.context_lens[m:], v.state_slots[m:], v.fresh_state[m:] = q, pad.scratch_slot, True
+    v.input_ids[num_tokens:] = 0
+    v.positions[num_tokens:] = np.tile(np.arange(q), n - m)
+    v.slot_mapping[num_tokens:] = pad.scratch_block * block_size + v.positions[num_tokens:]
+    v.cu_seqlens[m + 1 :] = num_tokens + q * np.arange(1, n - m + 1)
+    v.block_tables[m:, 0] = pad.scratch_block
+    if pad.spec_width:
+        v.spec_slots[m:], v.spec_src[m:] = pad.scratch_slot, 0

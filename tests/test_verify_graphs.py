@@ -1,0 +1,124 @@
+"""CUDA graphs for verify steps (engine/cuda_graphs.py): a step whose rows all verify k drafts replays the
+graph of (batch size, 1 + k) over the static buffers. On the CPU there is nothing to capture, and the same
+buffers, padding and static `DecodeRows` run the forward directly: these tests check everything but the
+replay itself (tests/gpu/test_verify_graphs_gpu.py replays them)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_cuda_graphs import _cache_copy, _changed_rows, _restore
+from test_spec_engine import GREEDY, NGRAM, K, Oracle, repetitive_prompts, run
+
+from hyserve.engine.cuda_graphs import graph_batch_sizes, verify_graph_sizes
+from hyserve.engine.step_inputs import Padding, build_step_inputs
+from hyserve.spec_decode.config import parse_speculative_config
+
+
+def _verify_calls(llm) -> list[tuple[int, int, int]]:
+    """(real rows, padded rows, tokens per row) of every step the static buffers run with more than one
+    token per row."""
+    graphs, calls = llm.engine.runner.graphs, []
+    run_ = graphs.run
+
+    def counted(inputs, prev=None):
+        lay = inputs.layout
+        if lay.num_tokens > lay.num_seqs:
+            calls.append((len(inputs.query_lens), lay.num_seqs, lay.num_tokens // lay.num_seqs))
+        return run_(inputs, prev)
+
+    graphs.run = counted
+    return calls
+
+
+def test_each_draft_count_gets_a_ladder_up_to_the_batch_that_still_speculates():
+    spec = parse_speculative_config({**NGRAM, "disable_by_batch_size": 6})
+    assert verify_graph_sizes(spec, 8, 16) == {q: graph_batch_sizes(5) for q in range(2, K + 2)}
+    wide = parse_speculative_config({**NGRAM, "num_speculative_tokens": 40})
+    sizes = verify_graph_sizes(wide, 512, 16)
+    assert max(sizes) == 16  # a padding row's tokens fit one scratch page
+    assert all(s[-1] * q <= 256 and s[-1] <= 64 for q, s in sizes.items())
+    assert verify_graph_sizes(None, 8, 16) == {}
+    dspark = parse_speculative_config({"method": "dspark", "model": "x", "num_speculative_tokens": 3})
+    assert verify_graph_sizes(dspark, 8, 16) == {}  # its drafter taps the target with hooks: eager
+
+
+def test_a_dsa_model_has_no_verify_graphs(make_engine):
+    eng = make_engine("k3.1-tiny", static_decode_buffers=True, speculative_config=NGRAM)
+    assert eng.runner.graphs.verify_sizes == {}
+    plain = make_engine("k3-tiny", static_decode_buffers=True, speculative_config=NGRAM)
+    assert sorted(plain.runner.graphs.verify_sizes) == list(range(2, K + 2))
+
+
+def test_a_padded_verify_step_puts_its_padding_rows_in_the_scratch_page_and_slot():
+    pad = Padding(rows=3, scratch_block=9, scratch_slot=5, tokens=3, spec_width=4)
+    inputs = build_step_inputs([], 4, pad=pad, width=2, prev_len=0, sampled=False)
+    v = inputs.layout.views(inputs.flat)
+    assert v.positions.tolist() == [0, 1, 2] * 3
+    assert v.slot_mapping.tolist() == [36, 37, 38] * 3
+    assert v.cu_seqlens.tolist() == [0, 3, 6, 9] and v.context_lens.tolist() == [3, 3, 3]
+    assert v.spec_slots.tolist() == [[5] * 4] * 3 and v.spec_src.tolist() == [0, 0, 0]
+    assert v.state_slots.tolist() == [5, 5, 5] and v.fresh_state.tolist() == [True] * 3
+    assert v.block_tables.tolist() == [[9, -1]] * 3
+    with pytest.raises(ValueError, match="scratch page"):
+        build_step_inputs([], 2, pad=pad, width=2, prev_len=0, sampled=False)
+
+
+@pytest.mark.parametrize("model", ["k3-tiny", "kimi-linear-tiny"])
+def test_verify_steps_of_one_draft_count_run_through_the_static_buffers_and_keep_the_output(make_llm, model):
+    """Oracle drafts: K drafts a step (fewer near the end), accepted and rejected; three prompts, so steps of
+    three rows padded to the ladder's 4."""
+    prompts = repetitive_prompts(3, seed=5)
+    plain = run(make_llm(model, max_num_seqs=4), prompts)
+    llm = make_llm(model, static_decode_buffers=True, max_num_seqs=4, speculative_config=NGRAM)
+    llm.engine.spec.proposer = Oracle({tuple(p): o for p, o in zip(prompts, plain)})
+    calls = _verify_calls(llm)
+    assert run(llm, prompts) == plain
+    assert {q for *_, q in calls} >= {1 + K} and any(n < size for n, size, _ in calls)
+    st = llm.engine.stats.spec_decode
+    assert 0 < st.num_accepted_tokens < st.num_draft_tokens
+
+
+def test_a_verify_step_through_the_static_buffers_equals_the_eager_step(make_engine):
+    """The same verify step of three rows (padded to 4) from the same cache: logits and every real row's
+    pages and state columns as the eager step computes them; past them only the scratch page and slot."""
+    eng = make_engine("kimi-linear-tiny", static_decode_buffers=True, dtype="float32", speculative_config=NGRAM,
+                      max_num_seqs=4)
+    prompts = repetitive_prompts(3, seed=8)
+    refs = {tuple(p): [p[-1]] * GREEDY.max_tokens for p in prompts}
+    eng.spec.proposer = Oracle(refs)
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), p, GREEDY)
+    runner, seen = eng.runner, []
+    execute = runner.execute
+
+    def compare(out, pending=None):
+        if len(out.seqs) != 3 or not runner.uses_graph(out) or seen:
+            return execute(out, pending)
+        kv = eng.kv
+        kv.tensors.pages[kv.scratch_block] = 0
+        kv.tensors.conv[kv.scratch_slot] = 0
+        kv.tensors.recurrent[kv.scratch_slot] = 0
+        before = _cache_copy(eng)
+        graphs, runner.graphs = runner.graphs, None
+        eager = execute(out).logits.clone()
+        want = _cache_copy(eng)
+        runner.graphs = graphs
+        _restore(eng, before)
+        got = execute(out)
+        after = _cache_copy(eng)
+        seen.append(out)
+        torch.testing.assert_close(got.logits, eager, rtol=1e-4, atol=1e-5)
+        slots = {c for s in out.seqs for c in s.req.spec_slots}
+        pages = {b for s in out.seqs for b in s.req.block_ids}
+        for name, rows in (("pages", pages), ("conv", slots), ("recurrent", slots)):
+            idx = torch.tensor(sorted(rows))
+            torch.testing.assert_close(after[name][idx], want[name][idx], rtol=1e-4, atol=1e-5)
+        assert _changed_rows(after["pages"], want["pages"]) <= {kv.scratch_block}
+        assert _changed_rows(after["recurrent"], want["recurrent"]) <= {kv.scratch_slot}
+        return got
+
+    runner.execute = compare
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert seen, "no verify step of three rows ran"
