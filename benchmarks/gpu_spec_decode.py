@@ -31,6 +31,8 @@ import time
 
 from hyserve import LLM, SamplingParams
 
+_HELD: dict = {}
+
 
 def prompts_for(llm: LLM, workload: str, n: int, length: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
@@ -45,8 +47,10 @@ def prompts_for(llm: LLM, workload: str, n: int, length: int, seed: int) -> list
         return out
     from hyserve.train.drafter import corpus_examples, prompts_of
 
-    _, held = corpus_examples(llm.get_tokenizer(), None, max(length, 64))
-    prompts = prompts_of(held, n)
+    key = (llm.engine.cfg.model, length)
+    if key not in _HELD:  # tokenizing the corpus takes seconds: once per model, not per engine and batch
+        _HELD[key] = corpus_examples(llm.get_tokenizer(), None, max(length, 64))[1]
+    prompts = prompts_of(_HELD[key], n)
     if len(prompts) < n:
         raise SystemExit(f"only {len(prompts)} held-out prompts for a batch of {n}")
     return prompts

@@ -307,6 +307,17 @@ def test_synthetic_acceptance_through_the_engine(make_llm):
     assert st.accepted_per_position[:3] == [st.num_drafts, st.num_drafts, 0]
 
 
+def test_synthetic_acceptance_verifies_k_drafts_where_the_proposer_finds_none(make_llm):
+    """A prompt n-gram lookup cannot match still runs the curve's step shapes: k drafts every step."""
+    spec = dict(NGRAM, rejection_sample_method="synthetic", synthetic_acceptance_length=2.0)
+    llm = make_llm(speculative_config=spec)
+    out = run(llm, [[11, 29, 7, 101, 54]], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    st = llm.engine.stats.spec_decode
+    assert len(out[0]) == 16 and st.num_drafts > 0
+    assert st.num_draft_tokens > K * (st.num_drafts - 1)  # the last step's cut to max_tokens
+    assert st.num_accepted_tokens == st.num_drafts  # length 2.0: one accepted per step
+
+
 def test_spec_metrics_and_stats_line(make_llm):
     from hyserve.engine.engine_core import _EngineLoop
     from hyserve.metrics import ServerMetrics

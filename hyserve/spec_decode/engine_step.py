@@ -65,7 +65,11 @@ class SpecDecoder:
             r.spec_token_ids = []
         if not self.scheduler.speculating():  # under load (disable_by_batch_size) nothing drafts
             return
+        k = self.config.num_speculative_tokens
         for r, drafts in zip(live, self.proposer.propose([r.all_token_ids for r in live])):
+            if self.synthetic is not None:  # the curve judges no draft: every step verifies k (the AgentX runs')
+                last = r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1]
+                drafts = list(drafts) + [last] * (k - len(drafts))
             r.spec_token_ids = drafts
 
     def sample(self, seqs: Sequence[ScheduledSeq], logits: torch.Tensor, engine: LLMEngine) -> RejectionOutput:
