@@ -376,6 +376,25 @@ def test_speculation_turns_itself_off_at_disable_by_batch_size(make_llm):
     assert any(drafted for running, drafted in steps if running == 1), "speculation resumes below the limit"
 
 
+def test_steps_overlap_again_while_speculation_is_off_under_load(make_llm):
+    """Async scheduling: at disable_by_batch_size nothing drafts, so nothing needs the host tokens of the step
+    before: the next step launches before it is read back, as without speculation, and the output is the
+    same."""
+    prompts = repetitive_prompts(3, seed=4)
+    plain = run(make_llm(async_scheduling=True), prompts)
+    llm = make_llm(async_scheduling=True, speculative_config=dict(NGRAM, disable_by_batch_size=3))
+    eng, overlapped = llm.engine, []
+    launch = eng._launch
+
+    def counted(out, prev):  # prev: the step still in flight, not read back yet
+        overlapped.append(prev is not None)
+        return launch(out, prev)
+
+    eng._launch = counted
+    assert run(llm, prompts) == plain
+    assert any(overlapped)
+
+
 def test_dspark_turns_itself_off_at_disable_by_batch_size(make_llm, drafter_dir):
     prompts = repetitive_prompts(2, 8)
     plain = [o.outputs[0].token_ids for o in make_llm(enable_prefix_caching=False).generate(

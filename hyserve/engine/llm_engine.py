@@ -295,6 +295,12 @@ class LLMEngine:
         self._landed = out
         return self._deltas(touched)
 
+    def _spec_waits(self) -> bool:
+        """Speculation needs the step before landed: its requests draft from their tokens on the host."""
+        if self.spec is None:
+            return False
+        return self.scheduler.speculating() or any(r.spec_token_ids for r in self.scheduler.running)
+
     def _step_async(self) -> list[_Emitted]:
         """Launch step k+1 before reading back step k's tokens, so scheduling, input preparation and
         output processing on the host overlap the forward on the GPU (vLLM's async scheduling). Step
@@ -302,10 +308,11 @@ class LLMEngine:
         computed in step k+1, which is dropped. Requests whose next sampling needs the previous token
         on the host (penalties, structured outputs) make that step wait for it. With speculation every step
         waits (n-gram drafts come from the host tokens) and a step with drafts lands before the next is
-        planned: how many tokens it commits is known only after rejection sampling."""
+        planned: how many tokens it commits is known only after rejection sampling. Under load
+        (disable_by_batch_size), once no request holds drafts, steps overlap again."""
         prev, self._in_flight = self._in_flight, None
         outputs, self._stashed = self._stashed, []
-        if prev is not None and (self.spec is not None or any(_needs_host_tokens(r) for r in prev.reqs)):
+        if prev is not None and (self._spec_waits() or any(_needs_host_tokens(r) for r in prev.reqs)):
             outputs += self._finish(prev)
             prev = None
         out = self.scheduler.schedule()
