@@ -79,7 +79,10 @@ def run_batch(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[floa
 def measure(args, spec: dict | None) -> tuple[dict[int, float], dict[int, float | None], dict[int, list]]:
     kw = dict(device=args.device, max_num_seqs=max(args.batch_list), enable_prefix_caching=False,
               max_model_len=args.prompt_len + args.output_len + 64, enforce_eager=args.eager)
+    t0 = time.perf_counter()
     llm = LLM(args.model, speculative_config=spec, **kw) if spec is not None else LLM(args.model, **kw)
+    # progress as it goes: a run cut short by its time limit still tells what it measured
+    print(f"engine {json.dumps(spec)}: ready in {time.perf_counter() - t0:.1f} s", flush=True)
     tpot, accept, outputs = {}, {}, {}
     for b in args.batch_list:
         prompts = prompts_for(llm, args.workload, b, args.prompt_len, seed=b)
@@ -89,6 +92,7 @@ def measure(args, spec: dict | None) -> tuple[dict[int, float], dict[int, float 
         tpot[b], outputs[b] = run_batch(llm, prompts, args.output_len)
         accept[b] = None if stats is None else \
             1 + (stats.num_accepted_tokens - before[1]) / max(stats.num_drafts - before[0], 1)
+        print(f"  batch {b}: TPOT {tpot[b]:.2f} ms, acceptance length {accept[b]}", flush=True)
     del llm
     return tpot, accept, outputs
 
