@@ -289,9 +289,11 @@ def test_training_goes_on_from_a_checkpoint_with_its_tokenizer(tmp_path, one_thr
     common = ["--size", "toy", "--modules", "json,textwrap,getopt,difflib", "--vocab-size", "600", "--rows", "2",
               "--row-len", "128", "--eval-n", "2", "--device", "cpu", "--log-every", "50"]
     first = tmp_path / "a" / "ckpt"
-    main(["all", "--out", str(first), "--work", str(tmp_path / "wa"), "--budget-minutes", "0.1", *common])
+    # step budgets, not wall clock: on a slow or busy machine a time budget trained too few steps to tell
+    main(["all", "--out", str(first), "--work", str(tmp_path / "wa"), "--budget-minutes", "5", "--max-steps", "60",
+          *common])
     second = tmp_path / "b" / "ckpt"
-    main(["all", "--out", str(second), "--work", str(tmp_path / "wb"), "--budget-minutes", "0.02",
+    main(["all", "--out", str(second), "--work", str(tmp_path / "wb"), "--budget-minutes", "5", "--max-steps", "2",
           "--init-from", str(first), *common])
     assert (second / "tokenizer.json").read_bytes() == (first / "tokenizer.json").read_bytes()
     losses_a = json.load(open(tmp_path / "a" / "summary.json"))["losses"]
