@@ -56,12 +56,13 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
     return [s for s in (1, 2, 4, *range(8, MAX_GRAPH_BATCH + 1, 8)) if s < cap] + [cap]
 
 
-def verify_graph_sizes(spec, max_batch: int, block_size: int) -> dict[int, list[int]]:
+def verify_graph_sizes(spec, max_batch: int, block_size: int, dsa: bool = False) -> dict[int, list[int]]:
     """The verify graphs a speculative config gets: for each query length 2 .. 1 + k, the ladder of batch
     sizes up to the largest batch that still speculates (below disable_by_batch_size), MAX_VERIFY_SEQS and
-    MAX_VERIFY_TOKENS tokens. None for dspark: its drafter reads the target's features through forward hooks,
-    which a replay does not run (it serves with --enforce-eager)."""
-    if spec is None or spec.method == "dspark":
+    MAX_VERIFY_TOKENS tokens. None for dspark (its drafter reads the target's features through forward
+    hooks, which a replay does not run: it serves with --enforce-eager) nor for a model with a DSA indexer
+    (`dsa`: the indexer plans verify rows from host values)."""
+    if spec is None or spec.method == "dspark" or dsa:
         return {}
     cap = min(max_batch, MAX_VERIFY_SEQS, (spec.disable_by_batch_size or max_batch + 1) - 1)
     out = {}

@@ -173,9 +173,9 @@ class LLMEngine:
             sizes = graph_batch_sizes(max_batch)
             if split:
                 graphs = RankGraphs(self.model, self.kv, self.max_model_len, sizes, max_batch)
-            else:  # verify graphs: not for a DSA indexer, which plans verify rows from host values
-                dsa = self.model_config.index_topk is not None
-                verify = {} if dsa else verify_graph_sizes(self.cfg.speculative_config, max_batch, self.kv.block_size)
+            else:
+                verify = verify_graph_sizes(self.cfg.speculative_config, max_batch, self.kv.block_size,
+                                            dsa=self.model_config.index_topk is not None)
                 graphs = DecodeGraphs(self.model, self.kv, self.max_model_len, sizes, max_batch, verify,
                                       self.kv.spec_width)
             graphs.capture()  # after the cache is allocated: graphs take what memory is left
