@@ -4,6 +4,7 @@ scheduling) and set against its floor from the step cost model (hyserve/planning
 
     python benchmarks/gpu_step_cost.py                  # one H200: appends the table to docs/BENCHMARKS.md
     python benchmarks/gpu_step_cost.py --model k3-tiny --device cpu --rows 2:16:32,0:32:0 --no-append  # dry run
+    python benchmarks/gpu_step_cost.py --rows 32:2048:10240,0:2048:0 --profile 12   # plus per-kernel breakdowns
 
 A row B:P:C: a C-token context is computed once and cached (prefix caching); B requests that share it
 and add one token of their own decode; then, before each step, one request of that context and P + 1 new
@@ -19,6 +20,7 @@ complete table). "Part by part" sums each part's own roofline (kernels that do n
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import subprocess
 import sys
@@ -55,8 +57,9 @@ def _drain(engine) -> None:
         engine.step()
 
 
-def measure_row(llm, b: int, p: int, ctx: int, steps: int, warmup: int, seed: int) -> dict:
-    """Host ms per step of `b` decodes and a `p`-token chunk over a `ctx`-token cached context."""
+def measure_row(llm, b: int, p: int, ctx: int, steps: int, warmup: int, seed: int, top: int = 0) -> dict:
+    """Host ms per step of `b` decodes and a `p`-token chunk over a `ctx`-token cached context; `top` > 0:
+    the timed steps run under torch.profiler and "kernels" holds the GPU ms per step and the largest kernels."""
     from hyserve import SamplingParams
 
     engine, vocab = llm.engine, llm.engine.model_config.vocab_size
@@ -73,11 +76,13 @@ def measure_row(llm, b: int, p: int, ctx: int, steps: int, warmup: int, seed: in
         engine.step()  # until all b decode together
     sync = _synchronizer(engine)
     timed, ok = 0.0, 0
+    prof = _profiler(top, engine.device.type == "cuda")
     for k in range(warmup + steps):
         if p:
             engine.add_request(f"c{seed}-{k}", {"prompt_token_ids": base + _ids(rng, p + 1, vocab)}, one)
         if k == warmup:
             sync()
+            prof.__enter__()
             t0 = time.perf_counter()
         engine.step()
         last = engine.last_step
@@ -85,10 +90,35 @@ def measure_row(llm, b: int, p: int, ctx: int, steps: int, warmup: int, seed: in
             ok += 1
     sync()
     timed = time.perf_counter() - t0
+    prof.__exit__(None, None, None)
     for rid in list(engine.parents):
         engine.abort_request(rid)
     _drain(engine)
-    return {"ms": timed / steps * 1e3, "steps": steps, "as_planned": ok}
+    return {"ms": timed / steps * 1e3, "steps": steps, "as_planned": ok,
+            "kernels": _largest(prof, steps, top) if top else None}
+
+
+def _profiler(top: int, cuda: bool):
+    if not top:
+        return contextlib.nullcontext()
+    from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
+
+
+def _largest(prof, steps: int, top: int) -> tuple[float, str]:
+    """(kernel ms per step, the `top` largest kernels: name x calls per step, ms per step): GPU kernels on
+    CUDA, operators' own CPU time in a CPU dry run."""
+    import torch
+
+    events = prof.key_averages()
+    if any(e.device_type == torch.autograd.DeviceType.CUDA for e in events):
+        timed = [(e, e.self_device_time_total) for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    else:
+        timed = [(e, e.self_cpu_time_total) for e in events]
+    total = sum(t for _, t in timed) / steps / 1e3
+    largest = sorted(timed, key=lambda et: -et[1])[:top]
+    return total, "; ".join(f"{e.key[:60]} x{e.count / steps:.0f} {t / steps / 1e3:.2f}" for e, t in largest)
 
 
 def _synchronizer(engine):
@@ -128,15 +158,18 @@ def step_cost_table(args) -> tuple[list[str], list[str]]:
     # room beside the B decodes for three chunk requests: under async scheduling a finished one holds its
     # state slot one step longer, while the next two are in flight (B + 2 planned 2 of 8 steps at B = 64)
     llm = LLM(args.model, device=args.device, max_model_len=need, max_num_seqs=max(b for b, _, _ in rows) + 4,
-              max_num_batched_tokens=max(b + p for b, p, _ in rows) + 2, long_prefill_token_threshold=0)
+              max_num_batched_tokens=max(b + p for b, p, _ in rows) + 2, long_prefill_token_threshold=0,
+              warmup=args.warmup)
     engine = llm.engine
     weight_bytes = engine.model.dtype.itemsize
     costs = StepCostModel(engine.model_config, weight_bytes, engine.kv.tensors.pages.element_size())
     table = ["| decodes B | prefill P | context | ms/step | steps as planned | weights read | TFLOP | floor | "
              "floor/time | part by part | part by part/time |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    profiled = ["| decodes B | prefill P | context | ms/step (profiled) | GPU kernel ms/step | largest kernels: "
+                "name x calls/step ms/step |", "|---|---|---|---|---|---|"]
     for i, (b, p, c) in enumerate(rows):
-        m = measure_row(llm, b, p, c, args.steps, args.warmup_steps, seed=1000 + i)
+        m = measure_row(llm, b, p, c, args.steps, args.warmup_steps, seed=1000 + i, top=args.profile)
         cost = costs.cost(StepShape(decodes=b, decode_context=c + 1 + args.warmup_steps + args.steps // 2,
                                     prefill=p + (p > 0), prefill_context=c))
         floor, seq = cost.floor_s(ceil) * 1e3, cost.sequential_floor_s(ceil) * 1e3
@@ -144,13 +177,19 @@ def step_cost_table(args) -> tuple[list[str], list[str]]:
                      f"{cost.weight_bytes / 1e9:.3g} GB | {cost.flops / 1e12:.3g} | {floor:.3g} ms | "
                      f"{floor / m['ms']:.0%} | {seq:.3g} ms | {seq / m['ms']:.0%} |")
         print(table[-1], flush=True)
+        if m["kernels"]:
+            profiled.append(f"| {b} | {p} | {c} | {m['ms']:.2f} | {m['kernels'][0]:.2f} | {m['kernels'][1]} |")
+            print(profiled[-1], flush=True)
+    if args.profile:  # the profiler's host cost is in these rows' times: the table above is the timing
+        table += ["", "Per-kernel breakdown (torch.profiler over the timed steps):", "", *profiled]
     cfg = engine.cfg
     notes = [f"Model {args.model}, {engine.model.dtype}; engine as built by `LLM(...)`: async scheduling "
              f"{cfg.async_scheduling}, CUDA graphs {not cfg.enforce_eager}, warm-up {cfg.warmup}, prefix caching on; "
              f"max_num_batched_tokens {cfg.max_num_batched_tokens}, long-prefill cap off. Ceilings: {ceil.describe()}"
              + ("" if cuda else "; nominal, for a CPU dry run") + ".",
              f"{args.warmup_steps} untimed steps, then {args.steps} timed per row; 'steps as planned' counts the timed "
-             "steps whose `last_step` held the B decodes and P + 1 prompt tokens. Code state: " + code_state() + "."]
+             "steps whose `last_step` held the B decodes and P + 1 prompt tokens. Triton kernel variants compiled after "
+             f"ready over all rows: {engine.stats.kernels_compiled_after_ready}. Code state: " + code_state() + "."]
     return table, notes
 
 
@@ -161,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", default=DEFAULT_ROWS, help="B:P:C,... (decodes, prefill tokens, context)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup-steps", type=int, default=3)
+    p.add_argument("--profile", type=int, default=0, metavar="TOP",
+                   help="also profile each row's timed steps and list its TOP largest kernels")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
+                   help="the engine's start-up warm-up (default: the engine's; each row's untimed steps compile)")
     p.add_argument("--no-append", action="store_true", help="print only; leave docs/BENCHMARKS.md alone")
     args = p.parse_args(argv)
     try:

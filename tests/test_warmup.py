@@ -10,7 +10,7 @@ import pytest
 from prefix_cache_util import batch
 
 from hyserve import SamplingParams
-from hyserve.planning.warmup import plan_warmup, token_ladder
+from hyserve.planning.warmup import FLA_L2NORM_ROWS, plan_warmup, prefill_tokens, token_ladder
 
 BUDGET = 64  # a small ladder: 2, 4, ..., 64 tokens
 
@@ -87,6 +87,26 @@ def test_the_ladder_covers_every_token_count_with_and_without_decodes_and_cached
             assert max(s.context_lens[1] for s in mixed) == engine.max_model_len
             assert max(len(s.query_lens) for s in mixed) == min(8, t // 2 + 1)
     assert not [s for s in plan if s.rung == 0]  # decode-only steps are left to the graph capture
+
+
+def test_the_warmup_reaches_every_l2norm_bucket_a_step_of_the_budget_can_fall_in(make_engine):
+    # heads such that fla's L2-norm bucket is ceil(tokens / 8): the ladder up to 48 reaches buckets
+    # 1, 2, 4 and 6 (16, 32, 48 tokens and the steps beside them), not 3 or 5
+    engine = make_engine(warmup=False, max_num_batched_tokens=48, max_num_seqs=8)
+    heads = FLA_L2NORM_ROWS // 8
+    plan = plan_warmup(engine.cfg, engine.max_model_len, engine.kv, decode_graphs=True, kda_heads=heads)
+    without = plan_warmup(engine.cfg, engine.max_model_len, engine.kv, decode_graphs=True)
+    bucket = lambda s: -(-prefill_tokens(s) // 8)  # noqa: E731
+    assert {bucket(s) for s in without} - {0} == {1, 2, 4, 6}
+    assert {bucket(s) for s in plan} - {0} == {1, 2, 3, 4, 5, 6}
+    extra = [s for s in plan if s not in without]
+    assert [(s.query_lens, s.context_lens) for s in extra] == [((24,), (24,)), ((40,), (40,))]  # each bucket's largest
+
+
+def test_without_kda_heads_the_plan_has_no_l2norm_bucket_steps(make_engine):
+    engine = make_engine(warmup=False, max_num_batched_tokens=48, max_num_seqs=8)
+    assert plan_warmup(engine.cfg, engine.max_model_len, engine.kv, True, kda_heads=0) == \
+        plan_warmup(engine.cfg, engine.max_model_len, engine.kv, True)
 
 
 def test_without_decode_graphs_the_ladder_adds_eager_decode_steps(make_engine):

@@ -145,7 +145,9 @@ class LLMEngine:
         self.startup.lap("cache allocation")
         if cfg.warmup and not isinstance(self.model, RankWorkers):  # ranks warm up only on their first steps
             # kernels compiled and tuned before ready; before the graphs take what memory is left
-            run_warmup(self.model, self.kv, plan_warmup(cfg, self.max_model_len, self.kv, cuda_graphs), self.startup)
+            heads = self.model_config.kda_num_heads if self.model_config.kda_layers else 0
+            plan = plan_warmup(cfg, self.max_model_len, self.kv, cuda_graphs, kda_heads=heads)
+            run_warmup(self.model, self.kv, plan, self.startup)
         self.runner = self._runner(cuda_graphs)
         self.sampler = Sampler()
         tokenizer_eos = [self.tokenizer.eos_token_id] if self.tokenizer is not None else []

@@ -15,6 +15,8 @@ graphs will be captured (`--enforce-eager`): eager decodes compile on first use 
 decoding, verify steps of every draft count k (1 + k tokens a sequence: the KDA verify kernel compiles per
 row length) at one sequence and at the most the slots allow, over a short and a long context; verify steps
 run eagerly, graphs or not. Contexts stay within max_model_len and the pages the pool can lend.
+Between the ladder's counts, kernels that tune per bucket of their size get one fresh prefill per bucket the
+ladder misses (`_bucket_steps`: fla's q/k L2 norm in the KDA prefill, a 6,144-token step on the 48B shape).
 
 The steps run on pages and running state slots lent by the cache manager's pools and given back in the
 order taken, so the pools are exactly as they were (only the lent rows' contents change, and nothing reads
@@ -43,6 +45,9 @@ from hyserve.startup import StartupClock
 
 log = logging.getLogger(__name__)
 VERIFY = -1  # the rung of the verify steps
+# fla's l2norm_fwd (q and k of every KDA prefill) autotunes per cdiv(rows, 2048 * 32), rows = tokens x heads:
+# the powers-of-two ladder reaches buckets 1, 2, 4, ... and a step between them tuned 25 variants on first use
+FLA_L2NORM_ROWS = 2048 * 32
 
 
 @dataclass(frozen=True)
@@ -90,18 +95,43 @@ def _rung(t: int, longest: int, seqs: int, short: int) -> list[WarmupStep]:
     return steps
 
 
-def plan_warmup(cfg: EngineConfig, max_model_len: int, kv: KVCacheManager, decode_graphs: bool) -> list[WarmupStep]:
-    """The steps the warm-up runs for the resolved `cfg`, within what `kv`'s pools can lend now."""
+def plan_warmup(cfg: EngineConfig, max_model_len: int, kv: KVCacheManager, decode_graphs: bool,
+                kda_heads: int = 0) -> list[WarmupStep]:
+    """The steps the warm-up runs for the resolved `cfg`, within what `kv`'s pools can lend now
+    (`kda_heads`: the KDA layers' heads, 0 for a model without them)."""
     longest = min(max_model_len, kv.blocks.num_free * kv.block_size)
     seqs = min(cfg.max_num_seqs, kv.slots.num_free)
     if longest < 2 or seqs < 1:
         return []
     short = min(longest, kv.block_size + 1)
     steps = [s for t in token_ladder(cfg.max_num_batched_tokens) for s in _rung(t, longest, seqs, short)]
+    steps += _bucket_steps(steps, cfg.max_num_batched_tokens, kda_heads, longest, seqs)
     if not decode_graphs:
         for n in graph_batch_sizes(min(seqs, cfg.max_num_batched_tokens)):
             steps += [WarmupStep((1,) * n, (ctx,) * n, f"{n} decodes over {ctx}", 0) for ctx in sorted({short, longest})]
     return steps + _verify_steps(cfg, kv, longest, seqs, short)
+
+
+def prefill_tokens(step: WarmupStep) -> int:
+    """The tokens of the step's prefill chunks (what one varlen KDA prefill call computes)."""
+    if step.drafts:
+        return 0
+    return sum(q for q, n in zip(step.query_lens, step.context_lens) if q > 1 or q == n)
+
+
+def _bucket_steps(steps: list[WarmupStep], budget: int, kda_heads: int, longest: int, seqs: int) -> list[WarmupStep]:
+    """A fresh prefill for each fla L2-norm bucket a step of the budget can reach and `steps` do not."""
+    if kda_heads < 1:
+        return []
+    bucket = lambda tokens: -(-tokens * kda_heads // FLA_L2NORM_ROWS)  # noqa: E731
+    seen, extra = {bucket(prefill_tokens(s)) for s in steps}, []
+    for nb in range(1, bucket(budget) + 1):
+        t = min(budget, nb * FLA_L2NORM_ROWS // kda_heads, longest * seqs)  # the bucket's largest count
+        if nb in seen or bucket(t) != nb:
+            continue
+        fresh = tuple(min(longest, t - i) for i in range(0, t, longest))
+        extra.append(WarmupStep(fresh, fresh, f"prefill {t} (L2-norm bucket {nb})", t))
+    return extra
 
 
 def _verify_steps(cfg: EngineConfig, kv: KVCacheManager, longest: int, seqs: int, short: int) -> list[WarmupStep]:
