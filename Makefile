@@ -21,8 +21,11 @@ install: $(VENV)/.installed
 serve: install
 	$(VENV)/bin/hyserve serve $(MODEL) --host $(HOST) --port $(PORT)
 
+# one pytest worker per core (pytest-xdist), whole files per worker so module fixtures load once each
+WORKERS ?= auto
+
 test: install
-	$(PY) -m pytest tests -x -p no:cacheprovider; rc=$$?; \
+	$(PY) -m pytest tests -x -p no:cacheprovider -n $(WORKERS) --dist loadfile; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 lint: install

@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             from gpu_step_cost import DEFAULT_ROWS, step_cost_table
 
             ns = argparse.Namespace(model=args.model, device=args.device, rows=args.rows or DEFAULT_ROWS, steps=8,
-                                    warmup_steps=3)
+                                    warmup_steps=3, profile=0, warmup=None)
             rows, step_notes = step_cost_table(ns)
             tables += rows + [""]
             notes += step_notes

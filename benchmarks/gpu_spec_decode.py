@@ -1,8 +1,8 @@
 """Speculative decoding off and on, side by side in one run: TPOT per batch size and the mean acceptance
 length, each engine built by `LLM(...)` with and without `speculative_config` (issue 27's tables).
 
-    # the embedded model and its drafter, held-out prompts (eager: dspark needs --enforce-eager)
-    python benchmarks/gpu_spec_decode.py --model hyserve/assets/hyserve-tiny-k3 --workload heldout --eager \\
+    # the embedded model and its drafter, held-out prompts (CUDA graphs; --eager for the eager side)
+    python benchmarks/gpu_spec_decode.py --model hyserve/assets/hyserve-tiny-k3 --workload heldout \\
         --batches 1,8 --spec '{"method": "dspark", "model": "hyserve/assets/hyserve-tiny-k3-dspark"}'
     # the 48B shape: n-gram drafts on repetitive prompts, and the synthetic curve of 3.36 accepted at 4 drafts
     python benchmarks/gpu_spec_decode.py --workload repeat --batches 1,8,32 \\
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--workload", choices=("heldout", "repeat", "random"), default="repeat")
     p.add_argument("--spec", action="append", required=True, help="a --speculative-config JSON (repeatable)")
-    p.add_argument("--eager", action="store_true", help="--enforce-eager for every engine (dspark needs it)")
+    p.add_argument("--eager", action="store_true", help="--enforce-eager for every engine")
     p.add_argument("--no-append", action="store_true", help="print only; leave docs/BENCHMARKS.md alone")
     args = p.parse_args(argv)
     args.batch_list = [int(b) for b in args.batches.split(",")]

@@ -107,3 +107,28 @@ def make_llm(make_engine):
         return LLM.from_engine(make_engine(model, static_decode_buffers, **kwargs))
 
     return make
+
+
+@pytest.fixture
+def drafter_dir(tmp_path, tiny_model):
+    """A small untrained DSpark drafter for k3-tiny (block 4, one layer, target layers 0 and 2), saved to disk."""
+    from hyserve.spec_decode.dspark_io import save_drafter, target_info
+    from hyserve.train.dspark import DrafterTrainConfig, new_drafter
+
+    target, _ = tiny_model("k3-tiny")
+    d = new_drafter(target, DrafterTrainConfig(block_size=4, num_layers=1, layer_ids=[0, 2]), seed=1)
+    with torch.no_grad():  # a Markov bias that is not zero, so drafts depend on the token before
+        d.markov_out.weight.normal_(0, 0.5)
+    save_drafter(d, str(tmp_path / "drafter"), target_info(target, "k3-tiny"), dtype=torch.float32)
+    return str(tmp_path / "drafter")
+
+
+# Files whose tests take the longest (a `--durations` run on a 2-core CI-size machine), collected first:
+# with `make test`'s workers (pytest-xdist, a file per worker) they start at once instead of last.
+SLOW_FILES = ("test_openapi_fuzz.py", "test_train.py", "test_soak.py", "test_trained_model.py", "test_gpu_issue24_bench.py",
+              "test_dist_server.py", "test_structured_thinking.py", "test_prefix_cache.py", "test_bench_frontier.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(SLOW_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order

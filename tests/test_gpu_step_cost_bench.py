@@ -34,3 +34,14 @@ def test_a_dry_run_times_every_row_as_planned_against_its_floor(bench, capsys):
     assert all(r.split("|")[5].strip() == "3/3" for r in rows[-3:])  # every timed step held B decodes and P + 1
     assert all(r.split("|")[8].strip().endswith(" ms") for r in rows[-3:])  # a floor for every row
     assert "Code state: " in out and "nominal, for a CPU dry run" in out
+
+
+def test_the_host_profile_dry_run_reports_every_row_under_each_instrument(capsys):
+    with benchmark_on_path("gpu_step_host") as host:
+        assert host.main(["--model", "k3-tiny", "--device", "cpu", "--rows", "0:16:0,2:8:24", "--steps", "1",
+                          "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    heads = [line for line in out.splitlines() if line.startswith("## row ")]
+    assert [h.split(":")[0:3] for h in heads] == [["## row 0", "16", "0"], ["## row 2", "8", "24"]]
+    assert out.count("aten operators by host time:") == 2 and out.count("by cumtime") == 2
+    assert "llm_engine.py" in out  # the engine's own step is in the Python profile

@@ -20,7 +20,7 @@ def test_schemathesis_finds_nothing_the_document_does_not_declare(tmp_path):
     # n <= 4: a schema-valid n of 16384 is minutes of decoding on a CPU, which the fuzzer would report as a hang
     with live_server("--max-model-len", "512", env={"HYSERVE_MAX_N_SEQUENCES": "4"}) as url:
         cmd = [sys.executable, "-m", "schemathesis.cli", "--config-file", str(CONFIG), "run", f"{url}/openapi.json",
-               "--max-examples", "25", "--seed", "25", "--request-timeout", "60", "--workers", "1",
+               "--max-examples", "10", "--seed", "25", "--request-timeout", "60", "--workers", "1",
                "--phases", "examples,coverage,fuzzing", "--generation-database", "none", "--no-color",
                "--continue-on-failure"]
         run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)

@@ -504,19 +504,6 @@ def test_serve_with_the_flag_shows_the_counters_on_metrics():
         assert metric(url, "vllm:spec_decode_num_accepted_tokens_per_pos_total") == accepted
 
 
-@pytest.fixture
-def drafter_dir(tmp_path, tiny_model):
-    from hyserve.spec_decode.dspark_io import save_drafter, target_info
-    from hyserve.train.dspark import DrafterTrainConfig, new_drafter
-
-    target, _ = tiny_model("k3-tiny")
-    d = new_drafter(target, DrafterTrainConfig(block_size=4, num_layers=1, layer_ids=[0, 2]), seed=1)
-    with torch.no_grad():  # a Markov bias that is not zero, so drafts depend on the token before
-        d.markov_out.weight.normal_(0, 0.5)
-    save_drafter(d, str(tmp_path / "drafter"), target_info(target, "k3-tiny"), dtype=torch.float32)
-    return str(tmp_path / "drafter")
-
-
 def test_dspark_greedy_output_is_identical_and_drafts_match_the_reference(make_llm, tiny_model, drafter_dir):
     """method 'dspark' through the engine (the reference path): chunked prefill, preemption and async
     scheduling leave greedy outputs unchanged, and every block it drafts equals the reference proposer's

@@ -40,7 +40,7 @@ def test_each_draft_count_gets_a_ladder_up_to_the_batch_that_still_speculates():
     assert all(s[-1] * q <= 256 and s[-1] <= 64 for q, s in sizes.items())
     assert verify_graph_sizes(None, 8, 16) == {}
     dspark = parse_speculative_config({"method": "dspark", "model": "x", "num_speculative_tokens": 3})
-    assert verify_graph_sizes(dspark, 8, 16) == {}  # its drafter taps the target with hooks: eager
+    assert verify_graph_sizes(dspark, 8, 16) == {q: graph_batch_sizes(8) for q in range(2, 5)}
 
 
 def test_a_dsa_model_has_no_verify_graphs(make_engine):
@@ -122,3 +122,36 @@ def test_a_verify_step_through_the_static_buffers_equals_the_eager_step(make_eng
     while eng.has_unfinished_requests():
         eng.step()
     assert seen, "no verify step of three rows ran"
+
+
+def _recorded_blocks(llm) -> list[tuple[int, list[int]]]:
+    """(context length, drafts) of every block the dspark proposer drafts."""
+    proposer, seen = llm.engine.spec.proposer, []
+    original = proposer.propose
+
+    def recording(req_ids, anchors, temps=None, gens=None):
+        block = original(req_ids, anchors, temps, gens)
+        seen.extend((proposer.num_context(r), block.token_ids[i].tolist()) for i, r in enumerate(req_ids))
+        return block
+
+    proposer.propose = recording
+    return seen
+
+
+def test_dspark_runs_its_steps_through_the_static_buffers_with_the_features_of_the_eager_steps(make_llm, drafter_dir):
+    """dspark with graphs: decode and verify steps run through the static buffers, whose feature buffer
+    hands the drafter the same target features as the eager forward's taps, so every block drafted is the
+    eager engine's and the greedy output is plain decoding's."""
+    prompts = repetitive_prompts(3, seed=5)
+    kw = dict(max_num_seqs=4, enable_prefix_caching=False)
+    plain = run(make_llm(**kw), prompts)
+    spec = {"method": "dspark", "model": drafter_dir}
+    eager = make_llm(speculative_config=spec, **kw)
+    eager_blocks = _recorded_blocks(eager)
+    assert run(eager, prompts) == plain
+    llm = make_llm(static_decode_buffers=True, speculative_config=spec, **kw)
+    assert llm.engine.runner.graphs.features.shape[1] == 2 * llm.engine.model_config.hidden_size
+    calls, blocks = _verify_calls(llm), _recorded_blocks(llm)
+    assert run(llm, prompts) == plain
+    assert calls and any(n < size for n, size, _ in calls)  # verify steps, padded ones among them
+    assert blocks == eager_blocks

@@ -36,6 +36,7 @@ from hyserve.engine.kv_cache import KVCacheManager
 from hyserve.engine.step_inputs import Padding, StepInputs, StepLayout, build_step_inputs
 from hyserve.models.batch import Batch, DecodeRows, VerifyGroup, VerifyRows
 from hyserve.models.kimi import KimiForCausalLM
+from hyserve.spec_decode.target_features import tap_features
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +60,9 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 def verify_graph_sizes(spec, max_batch: int, block_size: int, dsa: bool = False) -> dict[int, list[int]]:
     """The verify graphs a speculative config gets: for each query length 2 .. 1 + k, the ladder of batch
     sizes up to the largest batch that still speculates (below disable_by_batch_size), MAX_VERIFY_SEQS and
-    MAX_VERIFY_TOKENS tokens. None for dspark (its drafter reads the target's features through forward
-    hooks, which a replay does not run: it serves with --enforce-eager) nor for a model with a DSA indexer
-    (`dsa`: the indexer plans verify rows from host values)."""
-    if spec is None or spec.method == "dspark" or dsa:
+    MAX_VERIFY_TOKENS tokens. None for a model with a DSA indexer (`dsa`: the indexer plans verify rows
+    from host values)."""
+    if spec is None or dsa:
         return {}
     cap = min(max_batch, MAX_VERIFY_SEQS, (spec.disable_by_batch_size or max_batch + 1) - 1)
     out = {}
@@ -88,10 +88,13 @@ class DecodeGraphs:
     """
 
     def __init__(self, model: KimiForCausalLM, kv: KVCacheManager, max_model_len: int, sizes: list[int],
-                 max_prev_rows: int | None = None, verify: dict[int, list[int]] | None = None, spec_width: int = 0):
+                 max_prev_rows: int | None = None, verify: dict[int, list[int]] | None = None, spec_width: int = 0,
+                 feature_layers: list[int] | None = None):
         """`max_prev_rows`: the most tokens a step samples (the longest `prev_tokens` of `run`); at
         least the largest size. `verify`: the batch sizes of each verify query length 1 + k; `spec_width`:
-        the state-slot columns of a verify row (1 + the most drafts)."""
+        the state-slot columns of a verify row (1 + the most drafts). `feature_layers`: each run also
+        leaves the hidden states after these layers in `features` (a drafter's context, read by forward
+        hooks at capture; the graph replays their copy into the static buffer)."""
         if kv.scratch_block is None or kv.scratch_slot is None:
             raise ValueError("decode graphs need a cache planned with a scratch page and slot")
         self.model, self.kv, self.max_model_len = model, kv, max_model_len
@@ -112,6 +115,9 @@ class DecodeGraphs:
             self._row_ctx = torch.zeros(rows, dtype=torch.long, device=dev)  # verify graphs' DecodeRows lens
             self._batches = {k: self._static_batch(*k) for k in keys}
             self.logits = torch.zeros(rows, model.config.vocab_size, dtype=torch.float32, device=dev)
+            self.feature_layers = list(feature_layers or [])
+            width = model.config.hidden_size * len(self.feature_layers)
+            self.features = torch.zeros(rows if width else 0, width, dtype=model.dtype, device=dev)
         kv.tensors.conv[kv.scratch_slot].zero_()  # verify padding rows read the scratch state: keep it finite
         kv.tensors.recurrent[kv.scratch_slot].zero_()
 
@@ -191,7 +197,10 @@ class DecodeGraphs:
         # each token's id: from the ids row (buffer index prev + i) or from the previous step's tokens
         pool = self._buf[: self.max_prev + size * q]
         ids = torch.index_select(pool, 0, self._views[key].id_sources)
-        hidden = self.model(ids, batch, self.kv.tensors)
+        with tap_features(self.model, self.feature_layers) as tap:
+            hidden = self.model(ids, batch, self.kv.tensors)
+        if self.feature_layers:
+            torch.cat(tap.outputs, -1, out=self.features[: size * q])
         self.model.compute_logits(hidden, out=self.logits[: size * q])
 
     def _pad_all(self, key: tuple[int, int]) -> None:

@@ -148,14 +148,13 @@ class LLMEngine:
             heads = self.model_config.kda_num_heads if self.model_config.kda_layers else 0
             plan = plan_warmup(cfg, self.max_model_len, self.kv, cuda_graphs, kda_heads=heads)
             run_warmup(self.model, self.kv, plan, self.startup)
-        self.runner = self._runner(cuda_graphs)
+        spec = cfg.speculative_config
+        self.spec = None if spec is None else make_decoder(spec, self.max_model_len, self.model, self.scheduler)
+        self.runner = self._runner(cuda_graphs, getattr(self.spec, "feature_layers", None))
         self.sampler = Sampler()
         tokenizer_eos = [self.tokenizer.eos_token_id] if self.tokenizer is not None else []
         self.eos_token_ids = list(self.model_config.eos_token_ids) or tokenizer_eos
         self.parents: dict[str, ParentRequest] = {}
-        spec = cfg.speculative_config
-        self.spec = None if spec is None else make_decoder(spec, self.max_model_len, self.model, cfg.enforce_eager,
-                                                            self.scheduler)
         self.stats = EngineStats(spec_decode=self.spec.stats if self.spec is not None else None)
         self._landed: SchedulerOutput | None = None  # the step the last step() call read back
         self._in_flight: _Launched | None = None  # async scheduling: the step whose tokens are on the device
@@ -164,8 +163,9 @@ class LLMEngine:
                  describe_startup(self.startup.elapsed(), self.startup.phases, "engine start"), since_process_start(),
                  compile_cache.describe())
 
-    def _runner(self, cuda_graphs: bool) -> ModelRunner:
-        """Under a parallel layout the ranks run the steps this runner builds (distributed/executor.py)."""
+    def _runner(self, cuda_graphs: bool, features: list[int] | None) -> ModelRunner:
+        """Under a parallel layout the ranks run the steps this runner builds (distributed/executor.py).
+        `features`: the target layers whose hidden states every step hands the drafter."""
         split = isinstance(self.model, RankWorkers)
         graphs = None
         if cuda_graphs:
@@ -179,10 +179,12 @@ class LLMEngine:
                 verify = verify_graph_sizes(self.cfg.speculative_config, max_batch, self.kv.block_size,
                                             dsa=self.model_config.index_topk is not None)
                 graphs = DecodeGraphs(self.model, self.kv, self.max_model_len, sizes, max_batch, verify,
-                                      self.kv.spec_width)
+                                      self.kv.spec_width, features)
             graphs.capture()  # after the cache is allocated: graphs take what memory is left
             self.startup.lap("graph capture")
-        return (RankRunner if split else ModelRunner)(self.model, self.kv, graphs)
+        if split:
+            return RankRunner(self.model, self.kv, graphs)
+        return ModelRunner(self.model, self.kv, graphs, features)
 
     # ---- requests --------------------------------------------------------------------------------
     def add_request(

@@ -16,6 +16,7 @@ from hyserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from hyserve.engine.step_inputs import PendingTokens, StepInputs, build_step_inputs
 from hyserve.models.batch import to_device
 from hyserve.models.kimi import KimiForCausalLM
+from hyserve.spec_decode.target_features import tap_features
 
 
 @dataclass
@@ -23,6 +24,9 @@ class StepLogits:
     sample_rows: list[int]  # indices into out.seqs of the sequences that sample a token
     logits: torch.Tensor  # [len(sample_rows), V] float32
     prompt_logits: dict[int, torch.Tensor]  # seq index -> [num_new_tokens, V] for prompt_logprobs
+    # [T, m*D] the hidden states after the runner's feature layers for every token of the step (a
+    # drafter's context); None unless the runner was built with feature layers
+    features: torch.Tensor | None = None
 
 
 def _wants_prompt_logits(s: ScheduledSeq) -> bool:
@@ -39,10 +43,13 @@ def _row_tokens(seqs: list[ScheduledSeq]) -> int | None:
 
 
 class ModelRunner:
-    def __init__(self, model: KimiForCausalLM, kv: KVCacheManager, graphs: DecodeGraphs | None = None):
+    def __init__(self, model: KimiForCausalLM, kv: KVCacheManager, graphs: DecodeGraphs | None = None,
+                 feature_layers: list[int] | None = None):
         """`graphs`: decode steps that fit its ladder run through its static buffers (replayed CUDA
-        graphs on the GPU); every other step runs eagerly."""
+        graphs on the GPU); every other step runs eagerly. `feature_layers`: every step also returns the
+        hidden states after these target layers (`StepLogits.features`; the graphs must tap the same)."""
         self.model, self.kv, self.graphs = model, kv, graphs
+        self.feature_layers = feature_layers
         self.device = model.device
         self._pin = self.device.type == "cuda"
 
@@ -87,13 +94,15 @@ class ModelRunner:
             logits = self.graphs.run(inputs, prev)
             if len(inputs.sample_rows) < len(inputs.query_lens):  # a 1-token chunk that does not end its prompt
                 logits = logits[to_device(inputs.sample_rows, torch.long, self.device)]
-            return StepLogits(inputs.sample_rows, logits, {})
+            feats = None if self.feature_layers is None else self.graphs.features[: sum(inputs.query_lens)]
+            return StepLogits(inputs.sample_rows, logits, {}, feats)
         v = inputs.layout.views(inputs.flat.to(self.device, non_blocking=True))
         ids = v.input_ids
         if inputs.pending:
             ids = torch.cat([prev, ids]).index_select(0, v.id_sources)
-        hidden = self.model(ids, v.batch(inputs.query_lens, inputs.context_lens, inputs.verify), self.kv.tensors)
+        with tap_features(self.model, self.feature_layers or []) as tap:
+            hidden = self.model(ids, v.batch(inputs.query_lens, inputs.context_lens, inputs.verify), self.kv.tensors)
         logits = self.model.compute_logits(hidden[v.logits_indices])
         cu = [0, *itertools.accumulate(inputs.query_lens)]  # host values: reading cu_seqlens back would sync
         prompt_logits = {i: self.model.compute_logits(hidden[cu[i] : cu[i] + n]) for i, n in prompt_rows.items()}
-        return StepLogits(inputs.sample_rows, logits, prompt_logits)
+        return StepLogits(inputs.sample_rows, logits, prompt_logits, tap.features() if self.feature_layers else None)

@@ -1,14 +1,14 @@
-"""DSpark drafting inside the engine loop, on the reference path (docs/speculative_decoding.md §2).
+"""DSpark drafting inside the engine loop (docs/speculative_decoding.md §2).
 
-The target's features are read by forward hooks (`target_features.tap_features`) around every step's
-forward; the drafter's context rows of a request are kept by `DSparkProposer` (host-side, per request)
-and extended with the rows of computed positions only: a prefill chunk or plain decode adds all of its
-positions at once, a verify step only the positions of its accepted drafts, after rejection sampling.
-A request drafts once the rows of every token before its last one exist. The paged drafter rows, the
-aux hidden states from the model forward and the on-device proposer of §3 are the fast path still to come;
-this one needs eager steps (hooks do not fire in a CUDA-graph replay). A prefix hit skips the target
-features of its cached tokens: such a request drafts from the context computed after the hit (fewer drafts
-accepted on long shared prefixes, the same output).
+Every step's forward hands back the target's features (`StepLogits.features`: the model runner taps the
+drafter's target layers, and the CUDA graphs copy the same taps into a static buffer they replay), so
+dspark runs with graphs, verify graphs included. The drafter's context rows of a request are kept by
+`DSparkProposer` (per request) and extended with the rows of computed positions only: a prefill chunk or
+plain decode adds all of its positions at once, a verify step only the positions of its accepted drafts,
+after rejection sampling. A request drafts once the rows of every token before its last one exist. The
+drafter's forward and its Markov loop run eagerly; paged drafter rows and a graph of the drafter are
+still to come. A prefix hit skips the target features of its cached tokens: such a request drafts from the
+context computed after the hit (fewer drafts accepted on long shared prefixes, the same output).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from hyserve.spec_decode.config import SpeculativeConfig
 from hyserve.spec_decode.dspark_io import load_drafter
 from hyserve.spec_decode.dspark_propose import DSparkProposer
 from hyserve.spec_decode.engine_step import SpecDecoder
-from hyserve.spec_decode.target_features import feature_modules, tap_features
+from hyserve.spec_decode.target_features import feature_modules
 
 if TYPE_CHECKING:
     from hyserve.engine.model_runner import ModelRunner, StepLogits
@@ -33,17 +33,15 @@ if TYPE_CHECKING:
 
 
 class DSparkDecoder(SpecDecoder):
-    def __init__(self, spec: SpeculativeConfig, max_model_len: int, model: torch.nn.Module, eager: bool, scheduler):
+    def __init__(self, spec: SpeculativeConfig, max_model_len: int, model: torch.nn.Module, scheduler):
         super().__init__(spec, max_model_len, scheduler)
-        if not eager:
-            raise ValueError("speculative method 'dspark' reads the target's features through forward hooks, "
-                             "which a CUDA-graph replay does not run: add --enforce-eager")
         drafter = load_drafter(spec.model, model)
-        try:
+        try:  # the layers exist and their outputs can be read
             feature_modules(model, drafter.config.target_layer_ids)
         except NotImplementedError as e:
             raise ValueError(f"speculative method 'dspark' needs a K3 target: {e}") from None
-        self.model, self.layer_ids = model, drafter.config.target_layer_ids
+        self.model = model
+        self.feature_layers = list(drafter.config.target_layer_ids)  # every step's forward returns them
         self.proposer = DSparkProposer(drafter, spec.num_speculative_tokens)
         self.probs: dict[str, torch.Tensor] = {}  # request -> [k, V] the distributions of its drafts
         self._verify_rows: dict[Request, tuple[torch.Tensor, int]] = {}  # its features and first position
@@ -52,13 +50,12 @@ class DSparkDecoder(SpecDecoder):
         """The step's forward with the target features tapped; the rows of every computed position but
         verify rows' go to the drafter's context now, verify rows' wait for the accepted count."""
         self.forget(self.scheduler.running + self.scheduler.waiting)
-        with tap_features(self.model, self.layer_ids) as tap:
-            logits = runner.execute(out, pending)
-        feats, at = tap.features(), 0
+        logits = runner.execute(out, pending)
+        feats, at = logits.features, 0
         for s in out.seqs:
             rows, at = feats[at : at + s.num_new_tokens], at + s.num_new_tokens
-            if s.draft_ids:
-                self._verify_rows[s.req] = (rows, s.start)
+            if s.draft_ids:  # a copy: a graph's feature buffer is the next replay's output
+                self._verify_rows[s.req] = (rows.clone(), s.start)
             else:
                 self._add(s.req, rows, s.start)
         return logits
@@ -101,9 +98,10 @@ class DSparkDecoder(SpecDecoder):
             # the verified prefix ends where the predicted survival falls below the threshold; confidence j
             # reads h_j and draft j-1, never draft j, so the cut is a stopping rule and the output stays exact
             room = threshold_lengths(block.confidence, self.config.confidence_threshold).tolist()
+        drafts = block.token_ids.tolist()  # one read-back for the batch
         for i, r in enumerate(live):
             n = max(0, min(room[i], self.proposer.drafter.config.max_position_embeddings - r.num_tokens))
-            r.spec_token_ids = block.token_ids[i, :n].tolist()
+            r.spec_token_ids = drafts[i][:n]
             if block.probs is not None:
                 self.probs[r.request_id] = block.probs[i, :n]
 

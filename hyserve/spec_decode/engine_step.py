@@ -32,13 +32,12 @@ if TYPE_CHECKING:
     from hyserve.engine.step_inputs import PendingTokens
 
 
-def make_decoder(spec: SpeculativeConfig, max_model_len: int, model: torch.nn.Module, eager: bool,
-                 scheduler) -> SpecDecoder:
+def make_decoder(spec: SpeculativeConfig, max_model_len: int, model: torch.nn.Module, scheduler) -> SpecDecoder:
     """The decoder of the config's method (ValueError for a drafter that cannot run on this engine)."""
     if spec.method == "dspark":
         from hyserve.spec_decode.engine_dspark import DSparkDecoder
 
-        return DSparkDecoder(spec, max_model_len, model, eager, scheduler)
+        return DSparkDecoder(spec, max_model_len, model, scheduler)
     return SpecDecoder(spec, max_model_len, scheduler)
 
 

@@ -20,6 +20,8 @@ from torch import nn
 
 def feature_modules(model: nn.Module, layer_ids: Sequence[int]) -> list[nn.Module]:
     """The submodule whose output is the hidden state after each of layer_ids (0-based)."""
+    if not layer_ids:
+        return []
     inner = model.model
     n = len(inner.layers)
     if not getattr(model.config, "attn_res_block_size", 0):

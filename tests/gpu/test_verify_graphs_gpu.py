@@ -37,3 +37,29 @@ def test_verify_graphs_are_captured_replayed_and_keep_the_greedy_output(name):
     assert {q for _, q in replays} >= {1 + K}  # the oracle's full blocks of K drafts replayed
     st = llm.engine.stats.spec_decode
     assert 0 < st.num_accepted_tokens < st.num_draft_tokens
+
+
+def test_dspark_replays_its_verify_graphs_and_drafts_from_the_replayed_features(drafter_dir):
+    """The replay copies the tapped target features into the static buffer (hooks run only at capture): the
+    drafter gets the eager engine's features, so it drafts the same blocks, and the output is plain decoding's."""
+    prompts = repetitive_prompts(3, seed=5)
+    kw = {**KW, "enable_prefix_caching": False}
+    spec = {"method": "dspark", "model": drafter_dir}
+    plain = run(LLM("k3-tiny", enforce_eager=True, **kw), prompts)
+    outs, blocks = [], []
+    for eager in (True, False):
+        llm = LLM("k3-tiny", enforce_eager=eager, speculative_config=spec, **kw)
+        proposer, seen = llm.engine.spec.proposer, []
+        original = proposer.propose
+
+        def recording(req_ids, anchors, temps=None, gens=None, original=original, proposer=proposer, seen=seen):
+            block = original(req_ids, anchors, temps, gens)
+            seen.extend((proposer.num_context(r), block.token_ids[i].tolist()) for i, r in enumerate(req_ids))
+            return block
+
+        proposer.propose = recording
+        outs.append(run(llm, prompts))
+        blocks.append(seen)
+    graphs = llm.engine.runner.graphs
+    assert {k for k in graphs.graphs if k[1] > 1}  # verify graphs captured
+    assert outs == [plain, plain] and blocks[0] == blocks[1] and blocks[0]
