@@ -57,43 +57,65 @@ def _drain(engine) -> None:
         engine.step()
 
 
+class Row:
+    """One B:P:C row's requests on an engine: a C-token context computed once and cached, B requests that
+    share it and add one token of their own decoding together, and before every step of `steps` a fresh
+    request of that context and P + 1 new tokens."""
+
+    def __init__(self, llm, b: int, p: int, ctx: int, seed: int, steps: int):
+        from hyserve import SamplingParams
+
+        self.engine, self.p, self.seed, self.n = llm.engine, p, seed, 0
+        self.vocab = self.engine.model_config.vocab_size
+        self.rng = random.Random(seed)
+        self.base = _ids(self.rng, ctx, self.vocab)
+        self.one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+        if ctx:
+            self.engine.add_request(f"base{seed}", {"prompt_token_ids": self._prompt(1)}, self.one)
+            _drain(self.engine)  # the context's pages and its checkpoint at ctx are cached
+        long = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
+        for i in range(b):
+            self.engine.add_request(f"d{seed}-{i}", {"prompt_token_ids": self._prompt(1)}, long)
+        while b and not (self.engine.last_step and self.engine.last_step.num_decode_tokens == b):
+            self.engine.step()  # until all b decode together
+
+    def _prompt(self, new: int) -> list[int]:
+        return self.base + _ids(self.rng, new, self.vocab)
+
+    def steps(self, n: int) -> None:
+        for _ in range(n):
+            if self.p:
+                self.engine.add_request(f"c{self.seed}-{self.n}", {"prompt_token_ids": self._prompt(self.p + 1)}, self.one)
+                self.n += 1
+            self.engine.step()
+
+    def close(self) -> None:
+        for rid in list(self.engine.parents):
+            self.engine.abort_request(rid)
+        _drain(self.engine)
+
+
 def measure_row(llm, b: int, p: int, ctx: int, steps: int, warmup: int, seed: int, top: int = 0) -> dict:
     """Host ms per step of `b` decodes and a `p`-token chunk over a `ctx`-token cached context; `top` > 0:
     the timed steps run under torch.profiler and "kernels" holds the GPU ms per step and the largest kernels."""
-    from hyserve import SamplingParams
-
-    engine, vocab = llm.engine, llm.engine.model_config.vocab_size
-    rng = random.Random(seed)
-    base = _ids(rng, ctx, vocab)
-    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    if ctx:
-        engine.add_request(f"base{seed}", {"prompt_token_ids": base + _ids(rng, 1, vocab)}, one)
-        _drain(engine)  # the context's pages and its checkpoint at ctx are cached
-    long = SamplingParams(max_tokens=steps + warmup + 8, temperature=0, ignore_eos=True)
-    for i in range(b):
-        engine.add_request(f"d{seed}-{i}", {"prompt_token_ids": base + _ids(rng, 1, vocab)}, long)
-    while b and not (engine.last_step and engine.last_step.num_decode_tokens == b):
-        engine.step()  # until all b decode together
+    row = Row(llm, b, p, ctx, seed, steps + warmup)
+    engine = row.engine
+    row.steps(warmup)
     sync = _synchronizer(engine)
-    timed, ok = 0.0, 0
+    ok = 0
     prof = _profiler(top, engine.device.type == "cuda")
-    for k in range(warmup + steps):
-        if p:
-            engine.add_request(f"c{seed}-{k}", {"prompt_token_ids": base + _ids(rng, p + 1, vocab)}, one)
-        if k == warmup:
-            sync()
-            prof.__enter__()
-            t0 = time.perf_counter()
-        engine.step()
+    sync()
+    prof.__enter__()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        row.steps(1)
         last = engine.last_step
-        if k >= warmup and last is not None and last.num_decode_tokens >= b and last.num_prompt_tokens == p + (p > 0):
+        if last is not None and last.num_decode_tokens >= b and last.num_prompt_tokens == p + (p > 0):
             ok += 1
     sync()
     timed = time.perf_counter() - t0
     prof.__exit__(None, None, None)
-    for rid in list(engine.parents):
-        engine.abort_request(rid)
-    _drain(engine)
+    row.close()
     return {"ms": timed / steps * 1e3, "steps": steps, "as_planned": ok,
             "kernels": _largest(prof, steps, top) if top else None}
 

@@ -21,7 +21,6 @@ import collections
 import cProfile
 import io
 import pstats
-import random
 import sys
 import time
 import traceback
@@ -30,45 +29,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_step_cost import _drain, _ids, code_state, parse_rows  # noqa: E402
+from gpu_step_cost import Row, code_state, parse_rows  # noqa: E402
 
 DEFAULT_ROWS = "0:2048:0,32:2048:10240,0:8192:0"
-
-
-class Row:
-    """One B:P:C row's requests on an engine: B decodes over a cached C-token context, and before every
-    step a fresh request of that context and P + 1 new tokens (as gpu_step_cost.measure_row lays them)."""
-
-    def __init__(self, llm, b: int, p: int, c: int, seed: int, steps: int):
-        from hyserve import SamplingParams
-
-        self.engine, self.p = llm.engine, p
-        self.vocab = self.engine.model_config.vocab_size
-        self.rng = random.Random(seed)
-        self.base = _ids(self.rng, c, self.vocab)
-        self.one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-        if c:
-            self.engine.add_request(f"base{seed}", {"prompt_token_ids": self.base + _ids(self.rng, 1, self.vocab)}, self.one)
-            _drain(self.engine)
-        long = SamplingParams(max_tokens=steps + 16, temperature=0, ignore_eos=True)
-        for i in range(b):
-            self.engine.add_request(f"d{seed}-{i}", {"prompt_token_ids": self.base + _ids(self.rng, 1, self.vocab)}, long)
-        while b and not (self.engine.last_step and self.engine.last_step.num_decode_tokens == b):
-            self.engine.step()
-        self.n = 0
-
-    def steps(self, n: int) -> None:
-        for _ in range(n):
-            if self.p:
-                self.n += 1
-                self.engine.add_request(f"c{self.n}-{self.rng.random()}",
-                                        {"prompt_token_ids": self.base + _ids(self.rng, self.p + 1, self.vocab)}, self.one)
-            self.engine.step()
-
-    def close(self) -> None:
-        for rid in list(self.engine.parents):
-            self.engine.abort_request(rid)
-        _drain(self.engine)
 
 
 def sync_sites(row: Row, steps: int, cuda: bool) -> collections.Counter:

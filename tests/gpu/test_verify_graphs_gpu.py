@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_spec_engine import NGRAM, K, Oracle, repetitive_prompts, run
+from test_verify_graphs import _recorded_blocks
 
 from hyserve import LLM
 
@@ -49,17 +50,8 @@ def test_dspark_replays_its_verify_graphs_and_drafts_from_the_replayed_features(
     outs, blocks = [], []
     for eager in (True, False):
         llm = LLM("k3-tiny", enforce_eager=eager, speculative_config=spec, **kw)
-        proposer, seen = llm.engine.spec.proposer, []
-        original = proposer.propose
-
-        def recording(req_ids, anchors, temps=None, gens=None, original=original, proposer=proposer, seen=seen):
-            block = original(req_ids, anchors, temps, gens)
-            seen.extend((proposer.num_context(r), block.token_ids[i].tolist()) for i, r in enumerate(req_ids))
-            return block
-
-        proposer.propose = recording
+        blocks.append(_recorded_blocks(llm))
         outs.append(run(llm, prompts))
-        blocks.append(seen)
     graphs = llm.engine.runner.graphs
     assert {k for k in graphs.graphs if k[1] > 1}  # verify graphs captured
     assert outs == [plain, plain] and blocks[0] == blocks[1] and blocks[0]
