@@ -71,13 +71,14 @@ def test_whole_weight_tiles_take_the_unmasked_loads_and_match(moe_triton):
     torch.testing.assert_close(got, experts_forward(x, ids, w, w13, w2, act), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("block", [128, 16], ids=["one-pass", "pairs-read-in-blocks"])
 @pytest.mark.parametrize("skewed", [False, True], ids=["spread", "skewed"])
 @pytest.mark.parametrize("bm", [2, 16])
-def test_the_one_launch_layout_gives_each_expert_its_pairs_in_whole_tiles(moe_triton, skewed, bm):
+def test_the_one_launch_layout_gives_each_expert_its_pairs_in_whole_tiles(moe_triton, skewed, bm, block):
     _, ids, *_ = _case(37, 5, skewed=skewed)
     flat = ids.reshape(-1)
     n = flat.numel()
-    pair_of_slot, tile_expert, used = moe_triton.expert_tiles_triton(ids, E, bm)
+    pair_of_slot, tile_expert, used = moe_triton.expert_tiles_triton(ids, E, bm, block=block)
     counts = torch.bincount(flat, minlength=E)
     assert int(used) == int(((counts + bm - 1) // bm * bm).sum())
     assert int(used) <= pair_of_slot.numel()
@@ -122,3 +123,12 @@ def test_the_large_batch_tile_shapes_match_the_reference(moe_triton):
     got = moe_triton.experts_forward_triton(x, ids, w, w13, w2, act, block_m=128, up=(128, 64, 8, 4),
                                             down=(256, 64, 8, 3), fuse_glu=True)
     torch.testing.assert_close(got, experts_forward(x, ids, w, w13, w2, act), rtol=1e-5, atol=1e-5)
+
+
+def test_the_layout_read_in_blocks_keeps_each_experts_pairs_in_pair_order(moe_triton):
+    _, ids, *_ = _case(37, 5)
+    whole = moe_triton.expert_tiles_triton(ids, E, 16, block=128)
+    blocks = moe_triton.expert_tiles_triton(ids, E, 16, block=16)
+    used = int(whole[2])
+    assert int(blocks[2]) == used
+    assert torch.equal(blocks[0][:used], whole[0][:used]) and torch.equal(blocks[1][: used // 16], whole[1][: used // 16])

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import functools
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from hyserve.ops.mla_attention import paged_rows
 
 
 def staged(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -109,6 +111,51 @@ class DecodeRows:
 
 
 @dataclass
+class PrefillRows:
+    """A step's prefill chunks as every KDA and MLA layer indexes them, built once per step: each layer
+    building its own cost a host-to-device copy and a dozen small kernels a layer (20 KDA and 7 MLA
+    layers in a 48B step)."""
+
+    seqs: list[int]  # the chunks' sequences among the step's (`Batch.prefill_seqs`)
+    cu_host: torch.Tensor  # [Np+1] long on the host: the chunks laid end to end
+    cu: torch.Tensor  # the same on the device (fla caches what it derives from it by tensor identity)
+    tokens: slice | torch.Tensor  # the chunks' rows among the step's: a slice when they are one run
+    whole_step: bool  # the chunks are every token of the step: no gather, no scatter
+    slots: torch.Tensor  # [Np] long: their KDA state slots
+    fresh: torch.Tensor  # [Np] bool
+    seq_of_token: torch.Tensor  # [Tp] int32: each chunk token's chunk (the conv kernel's map)
+    context_lens: list[int]
+    _memo: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.cu_host[-1])
+
+    def memo(self, key, build):
+        """build() once per step under key: what a layer derives from these rows for every layer."""
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]
+
+    def context_rows(self, block_tables: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page, row in the page) of every cached position of every chunk's sequence, sequence after
+        sequence: the rows the MLA prefill expands, the same in every MLA layer."""
+        return self.memo(("context", block_size), lambda: self._context_rows(block_tables, block_size))
+
+    def _context_rows(self, block_tables: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        bt = block_tables if self.whole_step else block_tables[to_device(self.seqs, torch.long, self.cu.device)]
+        return paged_rows(bt, self.context_lens, block_size)
+
+
+def chunk_rows(cu: list[int], seqs: list[int]) -> slice | torch.Tensor:
+    """The token rows of sequences `seqs` (ascending) of a step with host cu_seqlens `cu`: a slice when
+    they are consecutive, an index on the host otherwise."""
+    if all(b == a + 1 for a, b in zip(seqs, seqs[1:])):
+        return slice(cu[seqs[0]], cu[seqs[-1] + 1])
+    return torch.cat([torch.arange(cu[i], cu[i + 1]) for i in seqs])
+
+
+@dataclass
 class Batch:
     query_lens: list[int]
     context_lens: list[int]  # tokens of the sequence in the cache after this step
@@ -181,13 +228,28 @@ class Batch:
         return DecodeRows(packed[0], packed[1], packed[2], max(ctx), len(tok) == cu[-1])
 
     @functools.cached_property
-    def prefill_cu(self) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-        """The prefill sequences (`prefill_seqs`), and their cu_seqlens on the host and the device, built
-        once per step. fla caches the chunk indices it derives from cu_seqlens by tensor identity; a new
-        tensor per KDA layer made it rebuild them with a blocking copy, a host sync per layer."""
+    def prefill_rows(self) -> PrefillRows | None:
+        """The step's `PrefillRows` (None without prefill chunks). One cu_seqlens tensor for every KDA
+        layer: fla caches the chunk indices it derives from it by tensor identity, and a new tensor per
+        layer made it rebuild them with a blocking copy, a host sync per layer."""
         pre = self.prefill_seqs
-        cu_cpu = torch.tensor([0] + [self.query_lens[i] for i in pre], dtype=torch.long).cumsum(0)
-        return pre, cu_cpu, host_to_device(cu_cpu, self.cu_seqlens.device)
+        if not pre:
+            return None
+        dev = self.cu_seqlens.device
+        lens = [self.query_lens[i] for i in pre]
+        cu_host = torch.tensor([0, *lens], dtype=torch.long).cumsum(0)
+        whole = len(pre) == self.num_seqs
+        tokens = chunk_rows(self.cu_seqlens_host, pre)
+        if isinstance(tokens, torch.Tensor):
+            tokens = host_to_device(tokens, dev)
+        idx = to_device(pre, torch.long, dev)
+        n = len(pre)
+        seq_of_token = torch.repeat_interleave(torch.arange(n, dtype=torch.int32), torch.tensor(lens), output_size=sum(lens))
+        return PrefillRows(
+            pre, cu_host, host_to_device(cu_host, dev), slice(None) if whole else tokens, whole,
+            self.state_slots if whole else self.state_slots[idx], self.fresh_state if whole else self.fresh_state[idx],
+            host_to_device(seq_of_token, dev), [self.context_lens[i] for i in pre],
+        )
 
     @property
     def decode_only(self) -> bool:

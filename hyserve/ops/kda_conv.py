@@ -54,24 +54,35 @@ def _conv_varlen_kernel(
              mask=tm[:, None] & cm[None, :])
 
 
-def new_conv_tails(x: torch.Tensor, cu_seqlens: torch.Tensor, tails: torch.Tensor) -> torch.Tensor:
-    """The last W-1 inputs of each sequence of [tail, tokens] (x's dtype, [N, C, W-1], oldest first):
-    token rows where the sequence has them, the old tail's newest entries where it is shorter."""
-    n, c, wm1 = tails.shape
-    p = cu_seqlens[1:, None] - wm1 + torch.arange(wm1, device=x.device)  # [N, W-1] source rows
+def conv_tail_rows(cu_seqlens: torch.Tensor, wm1: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(source token row [N, W-1] (clamped), whether it lies inside the sequence, the old tail's index
+    otherwise) of each sequence's new tail: the same for every KDA layer of a step (`PrefillRows`)."""
+    p = cu_seqlens[1:, None] - wm1 + torch.arange(wm1, device=cu_seqlens.device)
     inside = p >= cu_seqlens[:-1, None]
-    from_x = x[p.clamp(min=0)]  # [N, W-1, C]
     ti = (p - cu_seqlens[:-1, None] + wm1).clamp(0, wm1 - 1)
+    return p.clamp(min=0), inside, ti
+
+
+def new_conv_tails(x: torch.Tensor, cu_seqlens: torch.Tensor, tails: torch.Tensor,
+                   rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The last W-1 inputs of each sequence of [tail, tokens] (x's dtype, [N, C, W-1], oldest first):
+    token rows where the sequence has them, the old tail's newest entries where it is shorter. `rows`:
+    `conv_tail_rows(cu_seqlens, W-1)`, when the caller has it."""
+    n, c, wm1 = tails.shape
+    src, inside, ti = rows if rows is not None else conv_tail_rows(cu_seqlens, wm1)
     from_tail = tails.transpose(1, 2).to(x.dtype).gather(1, ti[:, :, None].expand(n, wm1, c))
-    return torch.where(inside[:, :, None], from_x, from_tail).transpose(1, 2).contiguous()
+    return torch.where(inside[:, :, None], x[src], from_tail).transpose(1, 2).contiguous()
 
 
 def causal_conv_varlen_triton(
     x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, tails: torch.Tensor,
-    block_t: int = 64, block_c: int = 128, num_warps: int = 4,
+    block_t: int = 64, block_c: int = 128, num_warps: int = 4, seq_of_token: torch.Tensor | None = None,
+    tail_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`causal_conv_varlen`: x [T, C] (unit stride in C), weight [C, W], cu_seqlens [N+1] long on x's device,
-    tails [N, C, W-1]. Returns (SiLU(conv) [T, C] and the new tails [N, C, W-1], both in x's dtype)."""
+    tails [N, C, W-1]. Returns (SiLU(conv) [T, C] and the new tails [N, C, W-1], both in x's dtype).
+    `seq_of_token` ([T] int32, each token's sequence) and `tail_rows` (`conv_tail_rows`) are derived from
+    cu_seqlens alone: a step passes the ones it built once for all its layers."""
     t, c = x.shape
     w = weight.shape[-1]
     n = cu_seqlens.numel() - 1
@@ -79,11 +90,12 @@ def causal_conv_varlen_triton(
     y = torch.empty(t, c, dtype=x.dtype, device=x.device)
     if t == 0:
         return y, tails.to(x.dtype)
-    seq = torch.repeat_interleave(torch.arange(n, device=x.device, dtype=torch.int32), cu_seqlens.diff(),
-                                  output_size=t)
-    wf = weight.float().contiguous()
+    if seq_of_token is None:
+        seq_of_token = torch.repeat_interleave(torch.arange(n, device=x.device, dtype=torch.int32),
+                                               cu_seqlens.diff(), output_size=t)
+    wf = weight if weight.dtype == torch.float32 and weight.is_contiguous() else weight.float().contiguous()
     _conv_varlen_kernel[(triton.cdiv(t, block_t), triton.cdiv(c, block_c))](
-        x, x.stride(0), wf, tails, *tails.stride(), seq, cu_seqlens, y, y.stride(0), t, c,
+        x, x.stride(0), wf, tails, *tails.stride(), seq_of_token, cu_seqlens, y, y.stride(0), t, c,
         W=w, BT=block_t, BC=block_c, num_warps=num_warps,
     )
-    return y, new_conv_tails(x, cu_seqlens, tails)
+    return y, new_conv_tails(x, cu_seqlens, tails, tail_rows)

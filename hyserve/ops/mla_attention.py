@@ -16,6 +16,18 @@ def gather_rows(pages: torch.Tensor, layer: int, block_table: torch.Tensor, n: i
     return pages[block_table[pos // bs], layer, pos % bs]
 
 
+def paged_rows(block_tables: torch.Tensor, context_lens: list[int], block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(page, row in the page) of positions 0..c_i-1 of every sequence i, sequence after sequence, from
+    host lengths (no read-back of the device's); `pages[page, layer, row]` gathers them in one op."""
+    dev = block_tables.device
+    ctx = torch.tensor(context_lens, dtype=torch.long)
+    ctx = ctx.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else ctx  # device= would sync
+    total = sum(context_lens)
+    seq = torch.repeat_interleave(torch.arange(len(context_lens), device=dev), ctx, output_size=total)
+    pos = torch.arange(total, device=dev) - (torch.cumsum(ctx, 0) - ctx)[seq]
+    return block_tables[seq, pos // block_size], pos % block_size
+
+
 # fp32 scores of one query chunk at most: a chunk of thousands of queries over a long context would
 # otherwise ask for gigabytes beside a cache already sized to the rest of the device
 SCORES_BYTES = 1 << 27

@@ -54,6 +54,7 @@ import triton
 import triton.language as tl
 
 from hyserve.ops.kernel_plan import MLA_WGMMA_MIN_TILES
+from hyserve.ops.mla_attention import paged_rows
 from hyserve.ops.ptx import prefetch_l2
 
 
@@ -418,26 +419,24 @@ def mla_absorbed_decode_fast(
 def mla_prefill_fast(
     q_nope: torch.Tensor, q_rope: torch.Tensor, pages: torch.Tensor, layer: int, block_tables: torch.Tensor,
     query_lens: list[int], context_lens: list[int], kv_b: torch.Tensor, kv_lora_rank: int, v_head_dim: int,
-    scale: float,
+    scale: float, context_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Expanded-form attention for prefill sequences laid end to end (q_* [Tq, H, d]).
 
     The cached rows of all sequences are gathered in one indexing op and up-projected by one GEMM;
     then one fused SDPA call per sequence (flash attention, its causal diagonal aligned to the chunk's
     end). v is zero-padded to the q/k width so the flash kernel applies. Returns [Tq, H, d_v].
+    `context_rows`: (page, row) of every cached position (`PrefillRows.context_rows`, built once for every
+    layer of a step); without it they are derived from block_tables here.
     """
     import torch.nn.functional as F
     from torch.nn.attention.bias import causal_lower_right
 
     dev, bs = pages.device, pages.shape[2]
     h, dn = q_nope.shape[1], q_nope.shape[2]
-    ctx_t = torch.tensor(context_lens)  # built on the host and queued: torch.tensor(..., device=) syncs
-    ctx_t = ctx_t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else ctx_t
-    total = sum(context_lens)
-    starts = torch.cumsum(ctx_t, 0) - ctx_t
-    seq = torch.repeat_interleave(torch.arange(len(context_lens), device=dev), ctx_t, output_size=total)
-    pos = torch.arange(total, device=dev) - starts[seq]
-    rows = pages[block_tables[seq, pos // bs], layer, pos % bs]  # [S, R + d_r]
+    page, row = context_rows if context_rows is not None else paged_rows(block_tables, context_lens, bs)
+    total = page.numel()
+    rows = pages[page, layer, row]  # [S, R + d_r]
     kv = (rows[:, :kv_lora_rank].to(kv_b.dtype) @ kv_b.t()).view(total, h, dn + v_head_dim)
     k = torch.cat([kv[..., :dn], rows[:, None, kv_lora_rank:].to(kv.dtype).expand(-1, h, -1)], -1)
     v = F.pad(kv[..., dn:], (0, k.shape[-1] - v_head_dim))

@@ -91,20 +91,29 @@ def _layout_kernel(ids_ptr, n, pair_ptr, tile_expert_ptr, used_ptr,
     """One program per expert e: the histogram of all pairs' experts gives e's padded run, which starts
     after the padded runs of the experts below it; e's pairs go there in pair order, the rest of its last
     tile gets the padding id n, and its tiles are marked as e's. One launch replaces a sort, a bincount,
-    two cumsums, a scatter and a searchsorted (a dozen kernels per MoE layer in a decode step)."""
+    two cumsums, a scatter and a searchsorted (a dozen kernels per MoE layer, and above 1,024 tokens a
+    radix sort of 8 passes). The pairs are read BLOCK at a time, twice: the histogram, then the ranks."""
     e = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
-    live = offs < n
-    ids = tl.load(ids_ptr + offs, mask=live, other=0).to(tl.int32)
     bins = tl.arange(0, BLOCK_E)
-    counts = tl.histogram(ids, BLOCK_E) - tl.where(bins == 0, BLOCK - n, 0)  # the padding counted as expert 0
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    for c0 in range(0, n, BLOCK):
+        offs = c0 + tl.arange(0, BLOCK)
+        live = offs < n
+        ids = tl.load(ids_ptr + offs, mask=live, other=0).to(tl.int32)
+        dead = tl.sum((~live).to(tl.int32), 0)
+        counts += tl.histogram(ids, BLOCK_E) - tl.where(bins == 0, dead, 0)  # the padding counted as expert 0
     padded = (counts + BM - 1) // BM * BM
     ends = tl.cumsum(padded, 0)
     start = tl.sum(tl.where(bins == e, ends - padded, 0), 0)
     count = tl.sum(tl.where(bins == e, counts, 0), 0)
-    mine = live & (ids == e)
-    rank = tl.cumsum(mine.to(tl.int32), 0) - 1
-    tl.store(pair_ptr + start + rank, offs, mask=mine)
+    base = start
+    for c0 in range(0, n, BLOCK):
+        offs = c0 + tl.arange(0, BLOCK)
+        live = offs < n
+        mine = live & (tl.load(ids_ptr + offs, mask=live, other=0).to(tl.int32) == e)
+        rank = tl.cumsum(mine.to(tl.int32), 0) - 1
+        tl.store(pair_ptr + base + rank, offs, mask=mine)
+        base += tl.sum(mine.to(tl.int32), 0)
     pad = count + tl.arange(0, BM)
     tl.store(pair_ptr + start + pad, n, mask=pad < (count + BM - 1) // BM * BM)
     t = tl.arange(0, MAX_TILES)
@@ -118,16 +127,20 @@ def max_tiles(n_pairs: int, num_experts: int, bm: int) -> int:
     return triton.cdiv(n_pairs, bm) + min(n_pairs, num_experts)
 
 
-def expert_tiles_triton(ids: torch.Tensor, num_experts: int, bm: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`expert_tiles` in one launch (pairs in pair order within an expert: each output row depends only
-    on its own pair, so the order inside a tile changes no value)."""
+LAYOUT_BLOCK = 8192  # pairs a layout program holds at a time
+
+
+def expert_tiles_triton(ids: torch.Tensor, num_experts: int, bm: int,
+                        block: int = LAYOUT_BLOCK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`expert_tiles` in one launch, for any number of pairs (pairs in pair order within an expert: each
+    output row depends only on its own pair, so the order inside a tile changes no value)."""
     flat = ids.reshape(-1)
     n, dev = flat.numel(), flat.device
     tiles = max_tiles(n, num_experts, bm)
     pair_of_slot = torch.empty(tiles * bm, dtype=torch.int32, device=dev)
     tile_expert = torch.empty(tiles, dtype=torch.int32, device=dev)
     used = torch.empty(1, dtype=torch.int32, device=dev)
-    block = triton.next_power_of_2(max(n, 16))
+    block = min(triton.next_power_of_2(max(n, 16)), block)
     _layout_kernel[(num_experts,)](
         flat, n, pair_of_slot, tile_expert, used, BM=bm, BLOCK=block,
         BLOCK_E=triton.next_power_of_2(max(num_experts, 2)), MAX_TILES=triton.next_power_of_2(triton.cdiv(n, bm)),
@@ -136,12 +149,10 @@ def expert_tiles_triton(ids: torch.Tensor, num_experts: int, bm: int) -> tuple[t
     return pair_of_slot, tile_expert, used
 
 
-LAYOUT_MAX_PAIRS = 8192  # one program holds every pair's expert id
-
-
 def expert_tiles(ids: torch.Tensor, num_experts: int, bm: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(pair ids in expert order, each expert's run padded to whole BM tiles, padding = T·k;
-    the expert of each tile; the number of padded slots in use, on the device)."""
+    the expert of each tile; the number of padded slots in use, on the device). The torch version of
+    `expert_tiles_triton`, which the grouped GEMM uses."""
     flat = ids.reshape(-1)
     n, dev = flat.numel(), flat.device
     order = torch.argsort(flat, stable=True)
@@ -188,8 +199,7 @@ def experts_forward_triton(
         block_m, up, down = block_m or 16, up or (128, 128, 4, 4), down or (128, 64, 4, 3)
     else:  # fp32 tiles of those sizes overflow shared memory
         block_m, up, down = block_m or 16, up or (64, 64, 4, 3), down or (64, 64, 4, 3)
-    layout = expert_tiles_triton if n_pairs <= LAYOUT_MAX_PAIRS else expert_tiles
-    pair_of_slot, tile_expert, used = layout(ids, e, block_m)
+    pair_of_slot, tile_expert, used = expert_tiles_triton(ids, e, block_m)
     tiles = pair_of_slot.numel() // block_m
     wts = weights.reshape(-1).float().contiguous()
     flags = dict(IEEE=x.dtype == torch.float32, BM=block_m)

@@ -176,7 +176,7 @@ def test_mla_prefill_matches_reference():
         q0 += nq
 
 
-@pytest.mark.parametrize("t", [1, 8, 64, 1000, 2000])
+@pytest.mark.parametrize("t", [1, 8, 64, 1000, 2000, 5000])
 def test_grouped_moe_matches_reference(t):
     from hyserve.ops.moe_gemv import experts_forward_gemv
     from hyserve.ops.moe_grouped import experts_forward_grouped
@@ -197,7 +197,7 @@ def test_grouped_moe_matches_reference(t):
         assert rel_err(experts_forward_gemv(x, ids, w, w13, w2, act), y_ref) < 1e-2
 
 
-@pytest.mark.parametrize("t", [64, 2000], ids=["one-launch layout", "torch layout"])
+@pytest.mark.parametrize("t", [64, 2000], ids=["pairs in one block", "pairs read in blocks"])
 def test_triton_grouped_moe_replays_from_a_cuda_graph(t):
     """Decode steps run in CUDA graphs: neither tile layout may read anything back to the host."""
     from hyserve.ops.moe_triton import experts_forward_triton
@@ -221,6 +221,20 @@ def test_triton_grouped_moe_replays_from_a_cuda_graph(t):
         out = experts_forward_triton(x, ids, w, w13, w2, act)
     graph.replay()
     torch.testing.assert_close(out, eager, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("t", [2048, 8192])
+@pytest.mark.parametrize("bm", [16, 128])
+def test_the_layout_kernel_equals_the_torch_layout_at_prefill_sizes(t, bm):
+    from hyserve.ops.moe_triton import expert_tiles, expert_tiles_triton
+
+    gen = torch.Generator("cuda").manual_seed(t)
+    ids = torch.rand(t, 256, device="cuda", generator=gen).topk(8, -1).indices
+    pairs, tiles, used = expert_tiles_triton(ids, 256, bm)
+    want_pairs, want_tiles, want_used = expert_tiles(ids, 256, bm)
+    n = int(want_used)
+    assert int(used) == n
+    assert torch.equal(pairs[:n].long(), want_pairs[:n]) and torch.equal(tiles[: n // bm].long(), want_tiles[: n // bm])
 
 
 @pytest.mark.parametrize("t", [1, 8])

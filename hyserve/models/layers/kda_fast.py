@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from hyserve.models.batch import Batch, CacheTensors, to_device
 from hyserve.models.layers.merged import merged
 from hyserve.ops.dense_gemv import linear
-from hyserve.ops.kda_conv import causal_conv_varlen_triton
+from hyserve.ops.kda_conv import causal_conv_varlen_triton, conv_tail_rows
 from hyserve.ops.kda_decode import kda_decode
 from hyserve.ops.kda_out_norm import gated_rms_norm_rows
 from hyserve.ops.kda_prefill import chunk_kda_varlen
@@ -33,10 +33,6 @@ def merged_fg_b(layer) -> torch.Tensor:
     GEMM (at batch 1 each was a 4 µs launch for 1 MB)."""
     parts = (layer.f_b_proj.weight, layer.g_b_proj.weight)
     return merged(layer, "_merged_fg_b", parts, lambda ws: torch.stack([w.t() for w in ws]))
-
-
-def _token_index(cu: list[int], seqs: list[int], device: torch.device) -> torch.Tensor:
-    return torch.cat([torch.arange(cu[i], cu[i + 1]) for i in seqs]).to(device, non_blocking=True)
 
 
 def _in_proj(layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -89,27 +85,22 @@ def _prefill(layer, out, qkv, f, b, gate, batch: Batch, conv_pool, rec_pool) -> 
     """The step's prefill chunks in one fla varlen call. Returns the step's output rows: `out` with the
     chunks' rows written in, or the call's own output when the chunks are the whole step (no scatter)."""
     h, k = layer.num_heads, layer.head_dim
-    pre, cu_cpu, cu_p = batch.prefill_cu
-    tok = None if len(pre) == batch.num_seqs else _token_index(batch.cu_seqlens_host, pre, qkv.device)
-
-    def rows(y: torch.Tensor) -> torch.Tensor:
-        return y if tok is None else y[tok]
-
-    tp = int(cu_cpu[-1])
-    pidx = to_device(pre, torch.long, qkv.device)
-    slots, fresh = batch.state_slots[pidx], batch.fresh_state[pidx]
-    tails = conv_pool[slots].masked_fill(fresh[:, None, None], 0)
-    init = rec_pool[slots].masked_fill(fresh[:, None, None, None], 0)  # masked_fill: fresh slots may hold NaN
-    y, new_tails = causal_conv_varlen_triton(rows(qkv), layer.conv_weight, cu_p, tails)
+    pre = batch.prefill_rows
+    tok, tp = pre.tokens, pre.num_tokens
+    tails = conv_pool[pre.slots].masked_fill(pre.fresh[:, None, None], 0)
+    init = rec_pool[pre.slots].masked_fill(pre.fresh[:, None, None, None], 0)  # masked_fill: fresh slots may hold NaN
+    w = merged(layer, "_conv_weight_f32", [layer.conv_weight], lambda ws: ws[0].float().contiguous())
+    y, new_tails = causal_conv_varlen_triton(qkv[tok], w, pre.cu, tails, seq_of_token=pre.seq_of_token,
+                                             tail_rows=pre.memo("conv_tails", lambda: conv_tail_rows(pre.cu, tails.shape[-1])))
     q, kk, v = (z.contiguous() for z in y.view(tp, 3, h, k).unbind(1))
     o, final = chunk_kda_varlen(
-        q, kk, v, rows(f).view(tp, h, k), rows(b).contiguous(), layer.A_log, layer.dt_bias, layer.lower_bound,
-        k**-0.5, init, cu_p, cu_cpu,
+        q, kk, v, f[tok].view(tp, h, k), b[tok].contiguous(), layer.A_log, layer.dt_bias, layer.lower_bound,
+        k**-0.5, init, pre.cu, pre.cu_host,
     )
-    conv_pool[slots] = new_tails.to(conv_pool.dtype)
-    rec_pool[slots] = final
-    o = gated_rms_norm_rows(o.contiguous(), rows(gate), layer.o_norm_weight, layer.eps, out.dtype)
-    if tok is None:
+    conv_pool[pre.slots] = new_tails.to(conv_pool.dtype)
+    rec_pool[pre.slots] = final
+    o = gated_rms_norm_rows(o.contiguous(), gate[tok], layer.o_norm_weight, layer.eps, out.dtype)
+    if pre.whole_step:
         return o
     out[tok] = o
     return out

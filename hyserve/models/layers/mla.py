@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hyserve.models.batch import Batch, CacheTensors, host_to_device, to_device
+from hyserve.models.batch import Batch, CacheTensors, to_device
 from hyserve.models.config import ModelConfig
 from hyserve.models.layers.dsa import Indexer, sparse_mla, token_seq_ids
 from hyserve.models.layers.merged import merged
@@ -180,16 +180,14 @@ class MLAttention(nn.Module):
         o = torch.empty(t, self.num_heads, self.dv, dtype=q_nope.dtype, device=dev)
         if rows is not None:
             o[rows.tokens] = d
-        pre, qlens, ctx = batch.prefill_seqs, batch.query_lens, batch.context_lens
-        if not pre:
+        pre = batch.prefill_rows
+        if pre is None:
             return o
-        cu = batch.cu_seqlens_host  # not a readback of the device tensor: no host sync
-        some = len(pre) < batch.num_seqs
-        tok = host_to_device(torch.cat([torch.arange(cu[i], cu[i + 1]) for i in pre]), dev) if some else slice(None)
-        bt = batch.block_tables[to_device(pre, torch.long, dev)] if some else batch.block_tables
+        tok = pre.tokens
         o[tok] = mla_prefill_fast(
-            q_nope[tok], q_rope[tok], pages, self.mla_index, bt, [qlens[i] for i in pre], [ctx[i] for i in pre],
-            w, self.rank, self.dv, self.scale,
+            q_nope[tok], q_rope[tok], pages, self.mla_index, None, [batch.query_lens[i] for i in pre.seqs],
+            pre.context_lens, w, self.rank, self.dv, self.scale,
+            context_rows=pre.context_rows(batch.block_tables, pages.shape[2]),
         )
         return o
 
