@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 from bench_fake_server import FakeServer, FakeServerConfig
 
+from hyserve.bench import sweep
 from hyserve.bench.cli import main as bench_main
 from hyserve.bench.plots import pareto_front
-from hyserve.bench.replay import BlockFiller, ReplayConfig, run_replay
+from hyserve.bench.replay import BlockFiller, ReplayConfig, Replayer, run_replay
 from hyserve.bench.serve_client import EndpointConfig
-from hyserve.bench.sweep import write_sweep_outputs
+from hyserve.bench.sweep import run_sweep, write_sweep_outputs
 from hyserve.bench.traces import (
     GeneratorConfig,
     generate_traces,
@@ -197,6 +198,15 @@ class TestPromptSynthesis:
         f = BlockFiller(32, 126, BS)
         assert len(f.prompt("s", [1], 200, pad_key="r1")) == 200
 
+    def test_a_prompt_too_short_for_the_whole_salt_keeps_it_out_of_the_shared_blocks(self):
+        trace = {"hash_id_scope": "global", "block_size": BS, "system_tokens": BS, "requests": []}
+        endpoint = EndpointConfig(base_url="http://127.0.0.1:1", model="m")
+        replayer = Replayer(ReplayConfig(traces=[trace], endpoint=endpoint))
+        tree = replayer._new_tree(0)
+        short, _ = replayer.build_prompt(tree, {"in": BS + 6, "hash_ids": [0, 1]}, False, "a")
+        long, hit = replayer.build_prompt(tree, {"in": 4 * BS, "hash_ids": [0, 2, 3, 4]}, False, "b")
+        assert hit == BS and short[:BS] == long[:BS]  # the block the theoretical hit counts is shared
+
 
 def _replay_cfg(srv, traces, **kw):
     endpoint = EndpointConfig(base_url=srv.base_url, model="fake-model", request_timeout_s=10)
@@ -229,6 +239,18 @@ class TestReplay:
         assert len({b["cache_salt"] for b in bodies}) >= 3  # one salt per replayed tree
         assert res["submission_valid"] is False  # short, scaled and truncated
 
+    def test_observed_hit_rate_counts_the_requests_the_theoretical_one_counts(self):
+        traces = generate_traces(self.SMALL)[0]
+
+        async def go():
+            async with FakeServer(FakeServerConfig(block_size=BS, token_delay_s=0.0005)) as srv:
+                return await run_replay(_replay_cfg(srv, traces, warmup=True))
+
+        res = asyncio.run(asyncio.wait_for(go(), 30))
+        assert res["requests_warmup"] > 0  # misses the /metrics delta counts and the theoretical rate does not
+        assert res["prefix_hit_rate_observed_metrics"] < res["prefix_hit_rate_observed_usage"]
+        assert res["prefix_hit_rate_observed"] == res["prefix_hit_rate_observed_usage"]
+
     def test_server_errors_are_counted_not_raised(self):
         traces = generate_traces(GeneratorConfig(sessions=2, seed=1, context_scale=0.01, turns_max=30))[0]
 
@@ -245,6 +267,21 @@ class TestSweepAndCli:
     def test_pareto_front_keeps_only_undominated_points(self):
         pts = [(10, 100), (20, 80), (15, 70), (30, 20), (5, 90)]
         assert pareto_front(pts) == [(10, 100), (20, 80), (30, 20)]
+
+    def test_sweep_points_with_one_seed_never_share_a_tree_salt(self, tmp_path, monkeypatch):
+        configs = []
+
+        async def fake_replay(cfg):
+            configs.append(cfg)
+            return {"concurrency": cfg.concurrency, "tok_s_per_user": {"p50": 1.0}, "tok_s_per_gpu": 1.0,
+                    "ttft_ms": {"p50": 1.0}, "itl_ms": {"p50": 1.0}}
+
+        monkeypatch.setattr(sweep, "run_replay", fake_replay)
+        trace = {"block_size": BS, "requests": [{"in": 100, "out": 1, "hash_ids": [0, 1]}]}
+        base = ReplayConfig(traces=[trace], endpoint=EndpointConfig(base_url="http://127.0.0.1:1", model="m"))
+        asyncio.run(run_sweep(base, [1, 2], tmp_path))
+        first, second = (Replayer(cfg)._new_tree(0) for cfg in configs)
+        assert first.salt != second.salt and first.salt_ids != second.salt_ids
 
     def test_sweep_plots_from_results(self, tmp_path):
         results = [{"concurrency": c, "tok_s_per_user": {"p50": 100 / c, "p90": 80 / c, "p99": 60 / c},

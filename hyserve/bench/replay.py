@@ -7,7 +7,12 @@ exceed the lane count. A drained lane starts the next trace from turn 0.
 Prompts are token ids built from the trace's hash ids: each id maps deterministically to a block of
 `block_size` filler ids, so two requests share exactly the prefix their hash ids say they share.
 A per-tree salt (`cache_salt` and/or salt tokens written at the start of the conversation, after any
-file-wide shared system/tool blocks) keeps lanes that replay the same trace from hitting each other.
+file-wide shared system/tool blocks) keeps lanes that replay the same trace from hitting each other;
+`salt_nonce` keeps runs with the same seed (a sweep's points against one server) apart the same way.
+
+The observed hit rate is over the requests the theoretical one counts (completed, profiled), from their
+usage; the /metrics delta also counts the warm-up requests (misses by construction: nothing of their
+tree was sent before), the requests cancelled at the end of the window and preempted re-admissions.
 """
 
 from __future__ import annotations
@@ -100,6 +105,7 @@ class ReplayConfig:
     percentiles: tuple[float, ...] = DEFAULT_PERCENTILES
     disable_tqdm: bool = False
     keep_requests: bool = False
+    salt_nonce: str = ""
 
 
 @dataclass
@@ -148,6 +154,8 @@ class Replayer:
         trace = self.cfg.traces[self.order[self.next_trace % len(self.order)]]
         self.next_trace += 1
         salt = self.rng.bytes(6).hex()
+        if self.cfg.salt_nonce:
+            salt = f"{self.cfg.salt_nonce}-{salt}"
         scope = "global" if trace.get("hash_id_scope") == "global" else f"trace:{trace.get('id', id(trace))}"
         # In global-scope files the system/tool blocks are shared across sessions: salt after them.
         shared = (
@@ -166,8 +174,10 @@ class Replayer:
         length = max(length, 1)
         ids = self._filler(bs).prompt(tree.scope, req.get("hash_ids", []), length, pad_key)
         if tree.salt_ids:
-            pos = 0 if subagent else min(tree.shared_prefix, max(0, length - len(tree.salt_ids)))
-            salt = tree.salt_ids[: length - pos]
+            # Always at the same position: moved into a shared block, it would make that block differ
+            # from the same hash id's block in the tree's other prompts.
+            pos = 0 if subagent else tree.shared_prefix
+            salt = tree.salt_ids[: max(0, length - pos)]
             ids[pos : pos + len(salt)] = salt
         used = list(req.get("hash_ids", []))[: -(-length // bs)]
         hit = hit_tokens(length, used, tree.seen, bs)
@@ -297,6 +307,8 @@ class Replayer:
         usage_cached = [s.result.cached_tokens for s in ok if s.result.cached_tokens is not None]
         usage_rate = sum(usage_cached) / prompt_total if usage_cached and prompt_total else None
         metrics_rate = prefix_hit_rate_delta(before, after)
+        # over the theoretical rate's request set when every one of them reported its cached tokens
+        observed = usage_rate if len(usage_cached) == len(ok) or metrics_rate is None else metrics_rate
         overflow = sum(1 for s in prof if _is_context_overflow(s.result))
         out.update(
             {
@@ -307,7 +319,7 @@ class Replayer:
                 "requests_warmup": sum(1 for s in self.sent if not s.profiled),
                 "requests_cancelled": cancelled,
                 "traces_started": self.next_trace,
-                "prefix_hit_rate_observed": metrics_rate if metrics_rate is not None else usage_rate,
+                "prefix_hit_rate_observed": observed,
                 "prefix_hit_rate_observed_metrics": metrics_rate,
                 "prefix_hit_rate_observed_usage": usage_rate,
                 # As replayed: after input truncation, warm-up blocks counted as seen, completed requests.

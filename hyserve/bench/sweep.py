@@ -21,7 +21,8 @@ async def run_sweep(base: ReplayConfig, concurrencies: Sequence[int], out_dir: s
     out.mkdir(parents=True, exist_ok=True)
     results = []
     for c in concurrencies:
-        result = await run_replay(dataclasses.replace(base, concurrency=int(c)))
+        # salted apart: a point must not hit what an earlier point's same trees left in the server's cache
+        result = await run_replay(dataclasses.replace(base, concurrency=int(c), salt_nonce=f"c{c}"))
         (out / f"replay_c{c}.json").write_text(json.dumps(jsonable(result), indent=2))
         print(format_replay_summary(result), flush=True)
         results.append(result)
