@@ -36,6 +36,7 @@ from hyserve.engine.kv_cache import KVCacheManager
 from hyserve.engine.step_inputs import Padding, StepInputs, StepLayout, build_step_inputs
 from hyserve.models.batch import Batch, DecodeRows, VerifyGroup, VerifyRows
 from hyserve.models.kimi import KimiForCausalLM
+from hyserve.models.segment_graphs import capture_graph
 from hyserve.spec_decode.target_features import tap_features
 
 log = logging.getLogger(__name__)
@@ -221,25 +222,8 @@ class DecodeGraphs:
         for key in sorted(self._batches, key=lambda k: (-k[0] * k[1], k)):
             batch = self._batches[key]
             self._pad_all(key)
-            # Triton compiles and lazily built tensors (merged weights, rope tables) happen here,
-            # outside the graph, on a side stream as torch.cuda.graph expects
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._step(key, batch)
-            torch.cuda.current_stream().wait_stream(side)
-            try:
-                # a host sync would abort the capture, possibly leaving the CUDA context unusable;
-                # one eager run with syncs made errors finds such sizes first
-                torch.cuda.set_sync_debug_mode("error")
-                try:
-                    self._step(key, batch)
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self._step(key, batch)
+            try:  # Triton compiles and lazily built tensors (merged weights, rope tables) happen in the warm-up runs
+                graph = capture_graph(lambda key=key, batch=batch: self._step(key, batch), pool)
             except RuntimeError as e:  # also an out-of-memory error: the smaller sizes may still fit
                 skipped.append(key)
                 log.warning("step of %d rows of %d tokens runs without a CUDA graph: %s", *key,

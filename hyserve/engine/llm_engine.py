@@ -34,7 +34,9 @@ from hyserve.engine.sampler import (
 )
 from hyserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from hyserve.engine.step_inputs import PendingTokens
+from hyserve.models import segment_graphs
 from hyserve.models.loader import load_model, resolve_dtype
+from hyserve.models.segment_graphs import segment_graph_sizes
 from hyserve.outputs import Logprob, OutputAccumulator, RequestDelta, RequestOutput
 from hyserve.planning import compile_watch
 from hyserve.planning.warmup import plan_warmup, run_warmup
@@ -167,7 +169,7 @@ class LLMEngine:
         """Under a parallel layout the ranks run the steps this runner builds (distributed/executor.py).
         `features`: the target layers whose hidden states every step hands the drafter."""
         split = isinstance(self.model, RankWorkers)
-        graphs = None
+        graphs = segments = None
         if cuda_graphs:
             # a decode step has at most one token per sequence, so the token budget caps it too
             max_batch = min(self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens)
@@ -181,10 +183,13 @@ class LLMEngine:
                 graphs = DecodeGraphs(self.model, self.kv, self.max_model_len, sizes, max_batch, verify,
                                       self.kv.spec_width, features)
             graphs.capture()  # after the cache is allocated: graphs take what memory is left
+            sizes = segment_graph_sizes(self.cfg.max_num_batched_tokens)
+            if sizes and not split and segment_graphs.supports(self.model):
+                segments = segment_graphs.SegmentGraphs(self.model, sizes).capture()
             self.startup.lap("graph capture")
         if split:
             return RankRunner(self.model, self.kv, graphs)
-        return ModelRunner(self.model, self.kv, graphs, features)
+        return ModelRunner(self.model, self.kv, graphs, features, segments)
 
     # ---- requests --------------------------------------------------------------------------------
     def add_request(

@@ -16,6 +16,7 @@ from hyserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from hyserve.engine.step_inputs import PendingTokens, StepInputs, build_step_inputs
 from hyserve.models.batch import to_device
 from hyserve.models.kimi import KimiForCausalLM
+from hyserve.models.segment_graphs import SegmentGraphs
 from hyserve.spec_decode.target_features import tap_features
 
 
@@ -44,11 +45,12 @@ def _row_tokens(seqs: list[ScheduledSeq]) -> int | None:
 
 class ModelRunner:
     def __init__(self, model: KimiForCausalLM, kv: KVCacheManager, graphs: DecodeGraphs | None = None,
-                 feature_layers: list[int] | None = None):
+                 feature_layers: list[int] | None = None, segments: SegmentGraphs | None = None):
         """`graphs`: decode steps that fit its ladder run through its static buffers (replayed CUDA
-        graphs on the GPU); every other step runs eagerly. `feature_layers`: every step also returns the
-        hidden states after these target layers (`StepLogits.features`; the graphs must tap the same)."""
-        self.model, self.kv, self.graphs = model, kv, graphs
+        graphs on the GPU); every other step runs eagerly, its layers' MLP halves through `segments`'
+        graphs where a size fits. `feature_layers`: every step also returns the hidden states after these
+        target layers (`StepLogits.features`; the graphs must tap the same)."""
+        self.model, self.kv, self.graphs, self.segments = model, kv, graphs, segments
         self.feature_layers = feature_layers
         self.device = model.device
         self._pin = self.device.type == "cuda"
@@ -101,7 +103,9 @@ class ModelRunner:
         if inputs.pending:
             ids = torch.cat([prev, ids]).index_select(0, v.id_sources)
         with tap_features(self.model, self.feature_layers or []) as tap:
-            hidden = self.model(ids, v.batch(inputs.query_lens, inputs.context_lens, inputs.verify), self.kv.tensors)
+            batch = v.batch(inputs.query_lens, inputs.context_lens, inputs.verify)
+            extra = {} if self.segments is None else {"segments": self.segments}  # (rank models take none)
+            hidden = self.model(ids, batch, self.kv.tensors, **extra)
         logits = self.model.compute_logits(hidden[v.logits_indices])
         cu = [0, *itertools.accumulate(inputs.query_lens)]  # host values: reading cu_seqlens back would sync
         prompt_logits = {i: self.model.compute_logits(hidden[cu[i] : cu[i] + n]) for i, n in prompt_rows.items()}

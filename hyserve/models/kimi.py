@@ -62,8 +62,15 @@ class KimiModel(nn.Module):
         if self.block:
             self.output_attn_res = AttnRes(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, batch: Batch, cache: CacheTensors, plan: KernelPlan) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, batch: Batch, cache: CacheTensors, plan: KernelPlan,
+                segments=None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        n = segments.size_for(x.shape[0], plan) if segments is not None else None
+        if n is not None:  # every layer's MLP half replayed from a graph
+            h = segments.begin(x, n)
+            for i, layer in enumerate(self.layers):
+                h = segments.after_attention(i, layer.self_attn(h, batch, cache, plan))
+            return h
         if not self.block:
             # each residual add runs with the pre-norm that follows it (one kernel on the GPU)
             h = self.layers[0].input_layernorm(x)
@@ -112,12 +119,13 @@ class KimiForCausalLM(nn.Module):
         return self._plan
 
     def forward(self, input_ids: torch.Tensor, batch: Batch, cache: CacheTensors,
-                plan: KernelPlan | None = None) -> torch.Tensor:
+                plan: KernelPlan | None = None, segments=None) -> torch.Tensor:
         """Final-normed hidden states [T, D] for the flattened step; reads and writes `cache`. The layers
         run the kernels of `plan`: the model's `kernel_plan` by default; for training on packed fresh
         sequences (train/packed.py), `kernel_plan.for_training()`, the same function through batched,
-        differentiable layer paths."""
-        return self.model(input_ids, batch, cache, active(plan or self.kernel_plan))
+        differentiable layer paths. `segments` (models/segment_graphs.SegmentGraphs, the engine's): the
+        layers' MLP halves replayed from its graphs where a size fits the step."""
+        return self.model(input_ids, batch, cache, active(plan or self.kernel_plan), segments)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 logits [T, vocab]; into `out` when given (one conversion kernel instead of a cast and a copy)."""
