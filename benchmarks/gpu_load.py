@@ -32,6 +32,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from gpu_step_cost import code_state  # noqa: E402
+
 GB, GIB = 1e9, 1 << 30
 _T0 = time.monotonic()
 
@@ -180,17 +183,6 @@ def row(name: str, r: dict) -> str:
             f"{ready} |")
 
 
-def code_state() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True).stdout.strip()
-        return head + (" with uncommitted changes" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (no git checkout here)"
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="kimi-linear-48b-a3b", help="the shape to write and to start as dummy")
@@ -203,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=420, help="seconds per child process")
     p.add_argument("--keep", action="store_true", help="keep the directory afterwards")
     p.add_argument("--no-append", action="store_true", help="print only; leave docs/BENCHMARKS.md alone")
-    p.add_argument("--code-state", default=None, help="for the report (default: git rev-parse here)")
+    p.add_argument("--code-state", default=None, help="for the report (default: HYSERVE_CODE_STATE, else git rev-parse here)")
     args = p.parse_args(argv)
     modes = args.modes.split(",")
     layers = args.layers

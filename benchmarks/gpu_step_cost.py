@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import random
 import subprocess
 import sys
@@ -152,6 +153,10 @@ def _synchronizer(engine):
 
 
 def code_state() -> str:
+    """The commit the benchmark runs (and whether the tree differs from it). HYSERVE_CODE_STATE overrides
+    it where the checkout's git state is not the code's (a device's copy of a working tree)."""
+    if os.environ.get("HYSERVE_CODE_STATE"):
+        return os.environ["HYSERVE_CODE_STATE"]
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,

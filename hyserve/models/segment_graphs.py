@@ -105,7 +105,7 @@ class SegmentGraphs:
         loop; out of memory), that size and every smaller one run eagerly."""
         if self.model.device.type != "cuda":
             return self
-        t0, pool = time.perf_counter(), torch.cuda.graph_pool_handle()
+        t0, pool, held = time.perf_counter(), torch.cuda.graph_pool_handle(), torch.cuda.memory_reserved()
         for n in reversed(self.sizes):
             try:
                 for i in range(len(self.norms)):
@@ -117,8 +117,9 @@ class SegmentGraphs:
                 break
         torch.cuda.synchronize()
         sizes = sorted({n for _, n in self.graphs})
-        log.info("captured %d MLP segment graphs in %.1f s: step sizes %s", len(self.graphs),
-                 time.perf_counter() - t0, f"{sizes[0]}-{sizes[-1]} tokens" if sizes else "none")
+        log.info("captured %d MLP segment graphs in %.1f s: step sizes %s, %.2f GiB more reserved", len(self.graphs),
+                 time.perf_counter() - t0, f"{sizes[0]}-{sizes[-1]} tokens" if sizes else "none",
+                 (torch.cuda.memory_reserved() - held) / 2**30)
         return self
 
     def _segment(self, i: int, n: int) -> None:
