@@ -22,9 +22,12 @@ def test_the_ladder_ends_at_the_token_budget_in_steps_of_at_most_an_eighth():
     assert segment_graph_sizes(100) == []
 
 
-def test_only_models_with_plain_residuals_take_segment_graphs(tiny_model):
-    assert segment_graphs.supports(tiny_model("kimi-linear-tiny")[0])
-    assert not segment_graphs.supports(tiny_model("k3-tiny")[0])  # Block AttnRes
+MODELS = ["kimi-linear-tiny", "k3-tiny", "k3.1-tiny"]  # plain residuals; Block AttnRes; AttnRes + DSA
+
+
+def test_kimi_models_take_segment_graphs_and_other_modules_do_not(tiny_model):
+    assert all(segment_graphs.supports(tiny_model(name)[0]) for name in MODELS)
+    assert not segment_graphs.supports(torch.nn.Linear(2, 2))
 
 
 def _mixed_step(model, gen):
@@ -42,17 +45,24 @@ def model(tiny_model):
     return tiny_model("kimi-linear-tiny")[0]
 
 
-def test_a_mixed_step_through_the_segments_equals_the_eager_forward(model):
+@pytest.mark.parametrize("name", MODELS)
+def test_a_mixed_step_through_the_segments_equals_the_eager_forward(tiny_model, name):
+    model = tiny_model(name)[0]
     ids, batch, cache = _mixed_step(model, torch.Generator().manual_seed(0))
     states = [t.clone() for t in (cache.pages, cache.conv, cache.recurrent)]
     with torch.inference_mode():
         eager = model(ids, batch, cache)
         cache.pages.copy_(states[0]), cache.conv.copy_(states[1]), cache.recurrent.copy_(states[2])
         segs = SegmentGraphs(model, [256, 512])
+        for buf in (segs.x, segs.a, segs.h, segs.blocks):  # whatever a step before left in them
+            if buf is not None:
+                buf.fill_(float("nan"))
         got = model(ids, batch, cache, segments=segs)
     assert got.data_ptr() == segs.h.data_ptr()  # the step ran through the buffers
     torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5)
     assert torch.count_nonzero(segs.x[300:512]) == 0  # padding rows stay zero through every layer
+    if segs.blocks is not None:
+        assert torch.count_nonzero(segs.blocks[:, 300:512]) == 0
 
 
 def test_steps_off_the_ladder_or_under_another_plan_run_eagerly(model):
@@ -62,12 +72,13 @@ def test_steps_off_the_ladder_or_under_another_plan_run_eagerly(model):
     assert segs.size_for(300, segs.plan.for_training()) is None
 
 
-def test_an_engine_with_graphs_gives_the_eager_greedy_output_for_long_prompts(make_engine):
+@pytest.mark.parametrize("name", MODELS)
+def test_an_engine_with_graphs_gives_the_eager_greedy_output_for_long_prompts(make_engine, name):
     prompts = [{"prompt_token_ids": [3 + (7 * j + n) % 500 for j in range(n)]} for n in (290, 40, 530)]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
     def run(static: bool) -> list[list[int]]:
-        engine = make_engine("kimi-linear-tiny", static, block_size=16, max_num_batched_tokens=1024)
+        engine = make_engine(name, static, block_size=16, max_num_batched_tokens=1024)
         for i, p in enumerate(prompts):
             engine.add_request(str(i), p, params)
         done = {}
@@ -87,3 +98,10 @@ def test_an_engine_with_graphs_gives_the_eager_greedy_output_for_long_prompts(ma
         SegmentGraphs.after_attention = original
     assert engine.runner.segments is not None and calls  # prefill steps ran through the segments
     assert graphed == eager
+
+
+def test_an_engine_whose_drafter_taps_target_layers_keeps_its_steps_eager(make_engine, drafter_dir):
+    # forward hooks read the features, and a replay runs no hooks: the drafter would get the capture's
+    engine = make_engine("k3-tiny", True, speculative_config={"method": "dspark", "model": drafter_dir})
+    assert engine.runner.segments is None
+    assert make_engine("k3-tiny", True).runner.segments is not None

@@ -184,7 +184,7 @@ class LLMEngine:
                                       self.kv.spec_width, features)
             graphs.capture()  # after the cache is allocated: graphs take what memory is left
             sizes = segment_graph_sizes(self.cfg.max_num_batched_tokens)
-            if sizes and not split and segment_graphs.supports(self.model):
+            if sizes and not split and not features and segment_graphs.supports(self.model):  # taps: no replay
                 segments = segment_graphs.SegmentGraphs(self.model, sizes).capture()
             self.startup.lap("graph capture")
         if split:

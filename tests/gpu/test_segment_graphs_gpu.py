@@ -17,8 +17,15 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 @pytest.fixture(scope="module")
-def model():
-    return load_model("kimi-linear-tiny", dtype="bfloat16", device="cuda", seed=0)
+def models():
+    loaded = {}
+
+    def get(name: str):
+        if name not in loaded:
+            loaded[name] = load_model(name, dtype="bfloat16", device="cuda", seed=0)
+        return loaded[name]
+
+    return get
 
 
 def _step(model, seed: int):
@@ -32,22 +39,29 @@ def _step(model, seed: int):
     return ids, batch, cache
 
 
+@pytest.mark.parametrize("name", ["kimi-linear-tiny", "k3-tiny"])  # plain residuals; Block AttnRes
 @torch.inference_mode()
-def test_a_replayed_mixed_step_equals_the_eager_forward(model):
+def test_a_replayed_mixed_step_equals_the_eager_forward(models, name):
+    model = models(name)
     segs = SegmentGraphs(model, [256, 512]).capture()
     assert len(segs.graphs) == 2 * len(model.model.layers)
     ids, batch, cache = _step(model, 0)
     eager = model(ids, batch, cache).float()
     ids, batch, cache = _step(model, 0)
     segs.x.fill_(float("nan"))  # whatever the buffers held before: the step's padding rows are zeroed
+    if segs.blocks is not None:
+        segs.blocks.fill_(float("nan"))
     got = model(ids, batch, cache, segments=segs)
     assert got.data_ptr() == segs.h.data_ptr()
     err = (got.float() - eager).norm() / eager.norm()
     assert err < 2e-2, err
     assert torch.count_nonzero(segs.x[300:512]) == 0
+    if segs.blocks is not None:
+        assert torch.count_nonzero(segs.blocks[:, 300:512]) == 0
 
 
-def test_an_engine_captures_the_segments_and_serves_long_prompts(model):
+def test_an_engine_captures_the_segments_and_serves_long_prompts(models):
+    model = models("kimi-linear-tiny")
     engine = LLMEngine(EngineConfig(model="kimi-linear-tiny", device="cuda", block_size=16,
                                     kv_cache_memory_bytes=64 << 20, max_num_seqs=4, max_num_batched_tokens=1024),
                        model=model)
