@@ -33,19 +33,11 @@ def decode_step_fn(model, n: int, ctx: int, bs: int = 64, device: str = "cuda"):
 
 def graphed(step):
     """Capture one decode step in a CUDA graph (static batch: same tensors every replay) and return its
-    replay. Removes the per-launch host cost, which dominates at small batch. Warm-up runs first on a
-    side stream so Triton compiles and lazily built tensors (merged weights, device context lengths)
-    exist before capture."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay
+    replay. Removes the per-launch host cost, which dominates at small batch (`capture_graph` warms up on
+    a side stream first, so Triton compiles and lazily built tensors exist before capture)."""
+    from hyserve.models.segment_graphs import capture_graph
+
+    return capture_graph(step, None).replay
 
 
 def step_bytes(cfg, n: int, ctx: int) -> float:
