@@ -239,17 +239,17 @@ class Batch:
         lens = [self.query_lens[i] for i in pre]
         cu_host = torch.tensor([0, *lens], dtype=torch.long).cumsum(0)
         whole = len(pre) == self.num_seqs
-        tokens = chunk_rows(self.cu_seqlens_host, pre)
-        if isinstance(tokens, torch.Tensor):
-            tokens = host_to_device(tokens, dev)
-        idx = to_device(pre, torch.long, dev)
-        n = len(pre)
-        seq_of_token = torch.repeat_interleave(torch.arange(n, dtype=torch.int32), torch.tensor(lens), output_size=sum(lens))
-        return PrefillRows(
-            pre, cu_host, host_to_device(cu_host, dev), slice(None) if whole else tokens, whole,
-            self.state_slots if whole else self.state_slots[idx], self.fresh_state if whole else self.fresh_state[idx],
-            host_to_device(seq_of_token, dev), [self.context_lens[i] for i in pre],
-        )
+        tokens, slots, fresh = slice(None), self.state_slots, self.fresh_state
+        if not whole:
+            tokens = chunk_rows(self.cu_seqlens_host, pre)
+            if isinstance(tokens, torch.Tensor):
+                tokens = host_to_device(tokens, dev)
+            idx = to_device(pre, torch.long, dev)
+            slots, fresh = slots[idx], fresh[idx]
+        seq_of_token = torch.repeat_interleave(torch.arange(len(pre), dtype=torch.int32), torch.tensor(lens),
+                                               output_size=sum(lens))
+        return PrefillRows(pre, cu_host, host_to_device(cu_host, dev), tokens, whole, slots, fresh,
+                           host_to_device(seq_of_token, dev), [self.context_lens[i] for i in pre])
 
     @property
     def decode_only(self) -> bool:

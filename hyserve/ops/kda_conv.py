@@ -93,7 +93,7 @@ def causal_conv_varlen_triton(
     if seq_of_token is None:
         seq_of_token = torch.repeat_interleave(torch.arange(n, device=x.device, dtype=torch.int32),
                                                cu_seqlens.diff(), output_size=t)
-    wf = weight if weight.dtype == torch.float32 and weight.is_contiguous() else weight.float().contiguous()
+    wf = weight.float().contiguous()
     _conv_varlen_kernel[(triton.cdiv(t, block_t), triton.cdiv(c, block_c))](
         x, x.stride(0), wf, tails, *tails.stride(), seq_of_token, cu_seqlens, y, y.stride(0), t, c,
         W=w, BT=block_t, BC=block_c, num_warps=num_warps,

@@ -89,8 +89,7 @@ def _prefill(layer, out, qkv, f, b, gate, batch: Batch, conv_pool, rec_pool) -> 
     tok, tp = pre.tokens, pre.num_tokens
     tails = conv_pool[pre.slots].masked_fill(pre.fresh[:, None, None], 0)
     init = rec_pool[pre.slots].masked_fill(pre.fresh[:, None, None, None], 0)  # masked_fill: fresh slots may hold NaN
-    w = merged(layer, "_conv_weight_f32", [layer.conv_weight], lambda ws: ws[0].float().contiguous())
-    y, new_tails = causal_conv_varlen_triton(qkv[tok], w, pre.cu, tails, seq_of_token=pre.seq_of_token,
+    y, new_tails = causal_conv_varlen_triton(qkv[tok], layer.conv_weight, pre.cu, tails, seq_of_token=pre.seq_of_token,
                                              tail_rows=pre.memo("conv_tails", lambda: conv_tail_rows(pre.cu, tails.shape[-1])))
     q, kk, v = (z.contiguous() for z in y.view(tp, 3, h, k).unbind(1))
     o, final = chunk_kda_varlen(
