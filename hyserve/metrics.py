@@ -75,11 +75,28 @@ class _EngineStatsCollector(Collector):
         yield counter("vllm:num_preemptions", "Requests preempted.", s.get("num_preemptions", 0))
         yield counter("hyserve:kernels_compiled_after_ready", "Triton kernel variants compiled after the engine "
                       "was ready (each one a wait the warm-up did not cover).", s.get("kernels_compiled_after_ready", 0))
+        yield from _step_counters(s.get("steps") or {}, names, values)
         for name, key, doc in POOL_GAUGES:
             if key in s:
                 yield gauge(name, doc, s[key])
         if s.get("spec_decode") is not None:
             yield from _spec_decode_counters(s["spec_decode"], names, values)
+
+
+STEP_COUNTERS = (
+    ("hyserve:engine_steps", "steps", "Engine steps, by how they ran (graph: decode graphs; eager: the forward)."),
+    ("hyserve:engine_step_tokens", "tokens", "Tokens computed by engine steps, by how they ran."),
+    ("hyserve:engine_step_seconds", "seconds", "Wall time engine steps held the engine, from launch (or the "
+     "landing before) to landing, by how they ran (engine/step_times.py)."),
+)
+
+
+def _step_counters(steps: dict[str, Any], names: list[str], values: list[str]) -> Iterator:
+    for name, key, doc in STEP_COUNTERS:
+        c = CounterMetricFamily(name, doc, labels=names + ["kind"])
+        for kind, value in sorted((steps.get(key) or {}).items()):
+            c.add_metric(values + [kind], float(value))
+        yield c
 
 
 def _spec_decode_counters(spec: dict[str, Any], names: list[str], values: list[str]) -> Iterator:

@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from hyserve.bench.datasets import DEFAULT_VOCAB_HIGH, DEFAULT_VOCAB_LOW
 from hyserve.bench.metrics import DEFAULT_PERCENTILES, RequestResult, compute_agentic_metrics
-from hyserve.bench.prometheus import prefix_hit_rate_delta, scrape
+from hyserve.bench.prometheus import prefix_hit_rate_delta, scrape, step_mix
 from hyserve.bench.serve_client import EndpointConfig, send_request
 from hyserve.bench.traces import hit_tokens, theoretical_hit_rate
 
@@ -328,6 +328,8 @@ class Replayer:
                 else None,
                 "prefix_hit_rate_theoretical_traces": theoretical_hit_rate(cfg.traces),
                 "context_overflow_requests": overflow,
+                # how the server's steps ran over the run (graph decode steps against eager ones)
+                "step_mix": step_mix(before, after, wall_s),
                 "submission_valid": (
                     cfg.duration_s >= MIN_VALID_DURATION_S
                     and cfg.time_scale == 1.0
@@ -391,6 +393,8 @@ def format_replay_summary(m: dict) -> str:
         lines.append(
             f"{key:<40}" + "  ".join(f"{k}={f(v)}" for k, v in d.items() if k not in ("std", "count"))
         )
+    for kind, d in (m.get("step_mix") or {}).items():
+        lines.append(f"{'steps ' + kind:<40}" + "  ".join(f"{k}={f(v)}" for k, v in d.items()))
     errs = m.get("errors", {})
     for e in errs.get("messages", []):
         lines.append(f"  error x{e['count']}: {e['message']}")

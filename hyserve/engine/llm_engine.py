@@ -34,6 +34,7 @@ from hyserve.engine.sampler import (
 )
 from hyserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from hyserve.engine.step_inputs import PendingTokens
+from hyserve.engine.step_times import StepTimes
 from hyserve.models import segment_graphs
 from hyserve.models.loader import load_model, resolve_dtype
 from hyserve.models.segment_graphs import segment_graph_sizes
@@ -62,6 +63,8 @@ class _Launched:
     now: float
     readback: Readback | None = None  # the result's host copies, queued behind the sampler
     verify: list[ScheduledSeq] | None = None  # a step with drafts: its sampling sequences (rejection sampled)
+    kind: str = "eager"  # how it ran (StepTimes' kinds)
+    launched: float = 0.0  # perf_counter seconds
 
 
 def _needs_host_tokens(req: Request) -> bool:
@@ -84,6 +87,7 @@ class EngineStats:
     last_step_tokens: int = 0
     spec_decode: SpecStats | None = None  # speculative decoding's counters (None when it is off)
     kernels_compiled_after_ready: int = 0  # Triton variants built while requests waited (planning/compile_watch.py)
+    steps: StepTimes = dataclasses.field(default_factory=StepTimes)
 
 
 @dataclass
@@ -297,7 +301,8 @@ class LLMEngine:
     def _step_sync(self, out: SchedulerOutput) -> list[_Emitted]:
         touched = {s.req for s in out.seqs}
         try:
-            self._land(self._launch(out, None))
+            self._land(flight := self._launch(out, None))
+            self._timed(flight)
             self.kv.cache_blocks(out)
         except Exception as e:  # a bug or bad state in one step must not take the engine down
             return self._fail_step(touched, e)
@@ -354,6 +359,7 @@ class LLMEngine:
 
     def _launch(self, out: SchedulerOutput, prev: _Launched | None) -> _Launched:
         """Run the forward and the sampler for `out` without reading anything back."""
+        launched, kind = time.perf_counter(), "graph" if self.runner.uses_graph(out) else "eager"
         self.kv.begin_step(out)  # queued cache copies land before the forward; its tokens count as computed
         pending = None
         if prev is not None and prev.result is not None:
@@ -371,7 +377,8 @@ class LLMEngine:
         reqs = [out.seqs[i].req for i in logits.sample_rows]
         if self.spec is not None and self.spec.verifies(out):
             seqs = [out.seqs[i] for i in logits.sample_rows]
-            return self._launched_verify(out, reqs, self.spec.sample(seqs, logits.logits, self), now, seqs)
+            flight = self._launched_verify(out, reqs, self.spec.sample(seqs, logits.logits, self), now, seqs)
+            return dataclasses.replace(flight, kind=kind, launched=launched)
         result = self._sample_on_device(reqs, logits.logits) if reqs else None
         for r in reqs:
             r.num_pending += 1
@@ -380,7 +387,10 @@ class LLMEngine:
         if result is not None:
             readback = Readback({"tokens": result.token_ids, "lps": result.logprobs, "ranks": result.ranks,
                                  "top_ids": result.top_token_ids, "top_lps": result.top_logprobs})
-        return _Launched(out, reqs, result, now, readback)
+        return _Launched(out, reqs, result, now, readback, kind=kind, launched=launched)
+
+    def _timed(self, flight: _Launched) -> None:
+        self.stats.steps.landed(flight.kind, flight.out.num_tokens, flight.launched, time.perf_counter())
 
     def _launched_verify(self, out: SchedulerOutput, reqs: list[Request], result, now: float,
                          seqs: list[ScheduledSeq]) -> _Launched:
@@ -393,6 +403,7 @@ class LLMEngine:
         touched = {s.req for s in flight.out.seqs}
         try:
             self._land(flight)
+            self._timed(flight)
         except Exception as e:
             return self._fail_step(touched, e)
         self._landed = flight.out

@@ -43,11 +43,17 @@ def chunk_kda_varlen(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
     a_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None, scale: float,
     initial_state: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor,
+    device_indices: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fla `chunk_kda` with gate, beta sigmoid and q/k L2 norm inside the kernel, V-first fp32 states.
 
     q, k, v [T, H, K] (conv outputs, model dtype); f [T, H, K] raw gate input; b [T, H] beta logits;
     initial_state [N, H, V, K] fp32. Returns (o [T, H, V], final states [N, H, V, K] fp32).
+
+    device_indices: fla's chunk list is built on the device (its graph mode, with N sequences as the
+    static bound, so no padding): from `cu_seqlens_cpu` fla would upload the list with a blocking copy,
+    which drains the stream once a step and throws away the host's lead over the GPU. The chunk list
+    then holds N - 1 sentinel rows more, whose programs return at once; the outputs are the same.
     """
     from fla.ops.kda import chunk_kda
 
@@ -58,6 +64,8 @@ def chunk_kda_varlen(
         A_log=a_log, dt_bias=dt_bias,
         # the bounded K3 gate b*sigmoid(exp(A)(f+dt)) is fla's lower_bound form, which needs safe_gate
         lower_bound=lower_bound, safe_gate=lower_bound is not None,
-        state_v_first=True, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+        state_v_first=True, cu_seqlens=cu_seqlens,
+        **({"use_graph": True, "max_num_seqs": cu_seqlens.numel() - 1} if device_indices
+           else {"cu_seqlens_cpu": cu_seqlens_cpu}),
     )
     return o.squeeze(0), final

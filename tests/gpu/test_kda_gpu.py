@@ -116,6 +116,35 @@ def test_prefill_varlen_matches_reference(lower_bound):
         assert rel_err(final[i], sr) < 2e-2, i
 
 
+def test_prefill_chunk_list_built_on_the_device_gives_the_same_outputs_without_a_sync():
+    from hyserve.ops.kda_prefill import chunk_kda_varlen
+
+    gen = torch.Generator("cuda").manual_seed(2)
+    dev, bf = "cuda", torch.bfloat16
+    pr = _params(gen)
+    lens = [1, 64, 130, 700, 3]
+    n, t = len(lens), sum(lens)
+    cu_cpu = torch.tensor([0] + lens).cumsum(0)
+    cu = cu_cpu.to(dev)
+    q, k, v, f = (torch.randn(t, H, K, device=dev, generator=gen).to(bf) for _ in range(4))
+    b = torch.randn(t, H, device=dev, generator=gen).to(bf)
+    init = torch.randn(n, H, K, K, device=dev, generator=gen) * 0.1
+
+    def run(device_indices: bool):
+        return chunk_kda_varlen(q, k, v, f, b, pr["alog"], pr["dtb"], -5.0, K**-0.5, init.clone(), cu, cu_cpu,
+                                device_indices=device_indices)
+
+    host, device = run(False), run(True)  # the first calls autotune (which synchronizes)
+    assert torch.equal(host[0], device[0]) and torch.equal(host[1], device[1])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = run(True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(again[0], device[0])
+
+
 @pytest.mark.parametrize("option", ["no-pdl", "pdl"])
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
 @pytest.mark.parametrize("n", [1, 64])
