@@ -48,6 +48,7 @@ products need ~250 TFLOP/s: tensor cores, with little shared-memory traffic per 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import triton
@@ -416,18 +417,129 @@ def mla_absorbed_decode_fast(
     return o.transpose(0, 1)
 
 
+# attend(q, k, v, causal, scale) -> (o, lse): attention of q [1, H, L, d] over k, v [1, H, S, d] with
+# each query's natural log-sum-exp [1, H, L] (fp32); causal = SDPA's top-left is_causal
+AttendLse = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool, float], tuple[torch.Tensor, torch.Tensor]]
+
+
+def merge_attention(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention over the union of two disjoint key sets from each set's normalised output o [..., L, d]
+    and natural log-sum-exp lse [..., L]: exactly the softmax over all keys, computed in fp32 and cast to
+    `out`'s dtype (written in place, any strides) or o_a's. A's weight exp(lse_a - m) / (exp(lse_a - m) +
+    exp(lse_b - m)), m = max(lse_a, lse_b), is sigmoid(lse_a - lse_b): no overflow, and a part without keys
+    (lse = -inf) weighs 0."""
+    w_a = torch.sigmoid(lse_a.float() - lse_b.float()).unsqueeze(-1)
+    merged = torch.lerp(o_b.float(), o_a.float(), w_a)
+    if out is None:
+        return merged.to(o_a.dtype)
+    return out.copy_(merged)
+
+
+def attention_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, attend: AttendLse,
+                    d_v: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The lower-right causal attention of a chunk of L queries at the end of S keys (q [1, H, L, d], k and
+    v [1, H, S, d]) as two calls `attend` serves at full speed, merged by log-sum-exp: the queries over the
+    S - L cached keys without a mask, and over the chunk's own L keys with the top-left causal mask. The
+    result's first d_v values (v may be padded wider): [1, H, L, d_v] (into `out` when given)."""
+    ctx = k.shape[2] - q.shape[2]
+    o_a, lse_a = attend(q, k[:, :, :ctx], v[:, :, :ctx], False, scale)
+    o_b, lse_b = attend(q, k[:, :, ctx:], v[:, :, ctx:], True, scale)
+    return merge_attention(o_a[..., :d_v], lse_a, o_b[..., :d_v], lse_b, out)
+
+
+def cudnn_attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`AttendLse` through cuDNN's fused attention, which SDPA picks for plain causal and unmasked calls
+    but never for a lower-right bias. Its lse is [B, H, L, 1] in torch 2.13 and was [B, H, L] before:
+    reshaped to [B, H, L]."""
+    o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
+                                                                scale=scale)[:2]
+    return o, lse.reshape(o.shape[:-1])
+
+
+def reference_attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`AttendLse` in plain torch math (fp32 scores; for the CPU and tests), o in q's dtype."""
+    from hyserve.ops.mla_attention import attention_with_lse
+
+    o, lse = attention_with_lse(q, k, v, causal, scale)
+    return o.to(q.dtype), lse
+
+
+# the cuDNN split's v form per class of inputs (device, dtype, heads, widths, strides): "narrow" (v at
+# d_v, as the up-projection leaves it), "padded" (v zero-padded to the q/k width) or None (no cuDNN op for
+# this class: the single lower-right call). Probed once per class, so the hot path holds no try/except
+_CUDNN_SPLIT: dict[tuple, str | None] = {}
+
+
+def cudnn_split_mode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """How the cuDNN split serves q, k [T, H, d] and v [T, H, d_v] laid end to end ("narrow", "padded"),
+    or None where it cannot: not CUDA, cuDNN SDPA off or missing in this torch, or the op rejects or
+    miscomputes the class (dtype, head dims) on a small probe."""
+    if not q.is_cuda or not torch.backends.cuda.cudnn_sdp_enabled():
+        return None
+    key = (q.device, q.dtype, q.shape[1:], k.stride()[1:], v.shape[1:], v.stride()[1:])
+    if key not in _CUDNN_SPLIT:
+        _CUDNN_SPLIT[key] = _probe_cudnn_split(q, k, v)
+    return _CUDNN_SPLIT[key]
+
+
+def _probe_cudnn_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """The first v form for which the cuDNN op runs and agrees with the math reference on the first rows
+    of these very tensors (their strides and alignment), at the shapes a split meets: one query, one key,
+    a few dozen of each, masked and not."""
+    import torch.nn.functional as F
+
+    if not hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
+        return None
+    n = min(q.shape[0], k.shape[0], 48)
+    d, d_v = q.shape[-1], v.shape[-1]
+
+    def heads_first(z: torch.Tensor, rows: int) -> torch.Tensor:
+        return z[:rows].transpose(0, 1).unsqueeze(0)
+
+    shapes = [(1, 1, True), (1, n, False), (n, n, True), (n, 1, False), (max(1, n // 3), n, False)]
+    for mode in ("narrow", "padded"):
+        ok = True
+        for nq, nk, causal in shapes:
+            qs, ks, vs = heads_first(q, nq), heads_first(k, nk), heads_first(v, nk)
+            if mode == "padded":
+                vs = F.pad(vs, (0, d - d_v))
+            try:
+                o, lse = cudnn_attention_lse(qs, ks, vs, causal, d**-0.5)
+            except RuntimeError:
+                ok = False
+                break
+            o_ref, lse_ref = reference_attention_lse(qs, ks, vs, causal, d**-0.5)
+            err = (o.float() - o_ref.float()).norm() / o_ref.float().norm().clamp_min(1e-30)
+            if o.shape != o_ref.shape or not bool(err < 2e-2) or not torch.allclose(lse, lse_ref, rtol=1e-3,
+                                                                                      atol=2e-2):
+                ok = False
+                break
+        if ok:
+            return mode
+    return None
+
+
 def mla_prefill_fast(
     q_nope: torch.Tensor, q_rope: torch.Tensor, pages: torch.Tensor, layer: int, block_tables: torch.Tensor,
     query_lens: list[int], context_lens: list[int], kv_b: torch.Tensor, kv_lora_rank: int, v_head_dim: int,
-    scale: float, context_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+    scale: float, context_rows: tuple[torch.Tensor, torch.Tensor] | None = None, split: bool | None = None,
 ) -> torch.Tensor:
     """Expanded-form attention for prefill sequences laid end to end (q_* [Tq, H, d]).
 
-    The cached rows of all sequences are gathered in one indexing op and up-projected by one GEMM;
-    then one fused SDPA call per sequence (flash attention, its causal diagonal aligned to the chunk's
-    end). v is zero-padded to the q/k width so the flash kernel applies. Returns [Tq, H, d_v].
+    The cached rows of all sequences are gathered in one indexing op and up-projected by one GEMM. A
+    fresh prompt (query_len == context_len) is one causal SDPA call (cuDNN's flash kernel on the H200); v
+    is zero-padded to the q/k width so the flash kernels apply. A chunk over a cached context is split
+    (`attention_split`): its queries over the cached keys unmasked and over its own keys causally, two
+    cuDNN calls merged by log-sum-exp, since SDPA serves the lower-right causal bias of one call only
+    through FlashAttention-2 at about half cuDNN's rate on the H200. Returns [Tq, H, d_v].
     `context_rows`: (page, row) of every cached position (`PrefillRows.context_rows`, built once for every
     layer of a step); without it they are derived from block_tables here.
+    `split`: None = split where cuDNN serves the inputs (`cudnn_split_mode`), else one lower-right SDPA
+    call; False = always the one call; True = always split, through the math reference where cuDNN
+    cannot (the CPU tests).
     """
     import torch.nn.functional as F
     from torch.nn.attention.bias import causal_lower_right
@@ -439,18 +551,31 @@ def mla_prefill_fast(
     rows = pages[page, layer, row]  # [S, R + d_r]
     kv = (rows[:, :kv_lora_rank].to(kv_b.dtype) @ kv_b.t()).view(total, h, dn + v_head_dim)
     k = torch.cat([kv[..., :dn], rows[:, None, kv_lora_rank:].to(kv.dtype).expand(-1, h, -1)], -1)
-    v = F.pad(kv[..., dn:], (0, k.shape[-1] - v_head_dim))
     q = torch.cat([q_nope, q_rope], -1).to(k.dtype)
+    v_narrow = kv[..., dn:]
+    chunked = any(nq < nc for nq, nc in zip(query_lens, context_lens))
+    mode = cudnn_split_mode(q, k, v_narrow) if chunked and split is not False else None
+    attend: AttendLse | None = None if mode is None else cudnn_attention_lse
+    if mode is None and split:
+        mode, attend = "narrow", reference_attention_lse
+    fresh = any(nq == nc for nq, nc in zip(query_lens, context_lens))
+    # the narrow split skips the padded copy of v (and a third of the P·V products) unless a fresh prompt
+    # or the single call needs it
+    v_padded = F.pad(v_narrow, (0, k.shape[-1] - v_head_dim)) if mode != "narrow" or fresh else None
     out = torch.empty(q.shape[0], h, v_head_dim, dtype=k.dtype, device=dev)
     q0 = c0 = 0
     for nq, nc in zip(query_lens, context_lens):
         qi = q[q0 : q0 + nq].transpose(0, 1).unsqueeze(0)
         ki = k[c0 : c0 + nc].transpose(0, 1).unsqueeze(0)
-        vi = v[c0 : c0 + nc].transpose(0, 1).unsqueeze(0)
-        # query j sits at position nc - nq + j: the causal diagonal is aligned to the lower right, which
-        # SDPA's flash kernel serves without a mask (a materialized [nq, nc] mask sent a chunk over a long
-        # cached context to the slower masked kernels)
-        oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=causal_lower_right(nq, nc), scale=scale)
-        out[q0 : q0 + nq] = oi[0, :, :, :v_head_dim].transpose(0, 1)
+        if attend is not None and nq < nc:
+            vi = (v_narrow if mode == "narrow" else v_padded)[c0 : c0 + nc].transpose(0, 1).unsqueeze(0)
+            attention_split(qi, ki, vi, scale, attend, v_head_dim, out=out[q0 : q0 + nq].transpose(0, 1).unsqueeze(0))
+        else:
+            vi = v_padded[c0 : c0 + nc].transpose(0, 1).unsqueeze(0)
+            # query j sits at position nc - nq + j: the causal diagonal is aligned to the lower right, which
+            # SDPA serves without a mask (a materialized [nq, nc] mask sent a chunk over a long cached
+            # context to the slower masked kernels); for nq == nc it is the plain causal call
+            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=causal_lower_right(nq, nc), scale=scale)
+            out[q0 : q0 + nq] = oi[0, :, :, :v_head_dim].transpose(0, 1)
         q0, c0 = q0 + nq, c0 + nc
     return out
