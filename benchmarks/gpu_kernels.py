@@ -275,7 +275,13 @@ def mla_prefill_rows(ceil, gen) -> list[str]:
     import torch.nn.functional as F
     from torch.nn.attention.bias import causal_lower_right
 
-    from hyserve.ops.mla_decode import attention_split, cudnn_attention_lse, cudnn_split_mode, merge_attention
+    from hyserve.ops.mla_decode import (
+        attention_split,
+        cudnn_attention_lse,
+        cudnn_split_mode,
+        merge_attention,
+        merge_attention_triton,
+    )
 
     hh, dn, dr, dv, r, bs = 32, 128, 64, 128, 512, 64
     d, scale = dn + dr, (dn + dr) ** -0.5
@@ -313,8 +319,10 @@ def mla_prefill_rows(ceil, gen) -> list[str]:
         part_b = time_ms(lambda: cudnn_attention_lse(qi, ki[:, :, ctx:], vi[:, :, ctx:], True, scale))
         o_a, lse_a = cudnn_attention_lse(qi, ki[:, :, :ctx], vi[:, :, :ctx], False, scale)
         o_b, lse_b = cudnn_attention_lse(qi, ki[:, :, ctx:], vi[:, :, ctx:], True, scale)
-        merge = time_ms(lambda: merge_attention(o_a[..., :dv], lse_a, o_b[..., :dv], lse_b,
-                                                out=out.transpose(0, 1)[None]))
+        merge = time_ms(lambda: merge_attention_triton(o_a[..., :dv], lse_a, o_b[..., :dv], lse_b,
+                                                       out=out.transpose(0, 1)[None]))
+        merge_torch = time_ms(lambda: merge_attention(o_a[..., :dv], lse_a, o_b[..., :dv], lse_b,
+                                                      out=out.transpose(0, 1)[None]))
         # a shape cuDNN has not seen builds its execution plans on the first call (host time); FA2 builds none
         q1 = qi[:, :, : nq - 1]
         torch.cuda.synchronize()
@@ -324,7 +332,8 @@ def mla_prefill_rows(ceil, gen) -> list[str]:
         first = (time.perf_counter() - t0) * 1e3
         rows.append(row(f"split ({mode} v)", ms,
                         f"{old / ms:.2f}x the one call; cuDNN over the {ctx} cached keys {part_a:.3f} ms, over the "
-                        f"chunk causally {part_b:.3f} ms, merge {merge:.3f} ms; first call of a new shape "
+                        f"chunk causally {part_b:.3f} ms, merge {merge:.3f} ms (Triton; torch ops {merge_torch:.3f}); "
+                        f"first call of a new shape "
                         f"{first:.1f} ms wall"))
         q = k = kv = v_pad = v_narrow = qi = ki = vi = o_a = o_b = None
         torch.cuda.empty_cache()

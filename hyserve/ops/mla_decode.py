@@ -436,16 +436,55 @@ def merge_attention(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, l
     return out.copy_(merged)
 
 
+@triton.jit
+def _merge_kernel(oa_ptr, s_oab, s_oah, s_oal, ob_ptr, s_obb, s_obh, s_obl, la_ptr, s_lab, s_lah, s_lal,
+                  lb_ptr, s_lbb, s_lbh, s_lbl, out_ptr, s_outb, s_outh, s_outl, L,
+                  D: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr):
+    """Program (query block, head, batch): `merge_attention` of BL queries, all D values, in one pass."""
+    pl, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = pl * BL + tl.arange(0, BL)
+    cols = tl.arange(0, BD)
+    rmask = rows < L
+    mask = rmask[:, None] & (cols < D)[None, :]
+    la = tl.load(la_ptr + b * s_lab + h * s_lah + rows * s_lal, mask=rmask, other=0.0)
+    lb = tl.load(lb_ptr + b * s_lbb + h * s_lbh + rows * s_lbl, mask=rmask, other=0.0)
+    w = tl.sigmoid(la - lb)[:, None]
+    oa = tl.load(oa_ptr + b * s_oab + h * s_oah + rows[:, None] * s_oal + cols[None, :], mask=mask, other=0.0)
+    ob = tl.load(ob_ptr + b * s_obb + h * s_obh + rows[:, None] * s_obl + cols[None, :], mask=mask, other=0.0)
+    ob = ob.to(tl.float32)
+    o = ob + w * (oa.to(tl.float32) - ob)
+    tl.store(out_ptr + b * s_outb + h * s_outh + rows[:, None] * s_outl + cols[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def merge_attention_triton(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """`merge_attention` of o [B, H, L, D] (last dim unit-stride) as one Triton kernel: the torch form
+    makes four passes over fp32 copies of the outputs, this one reads each output once and writes once."""
+    assert o_a.dim() == 4 and o_a.shape == o_b.shape and o_a.stride(-1) == o_b.stride(-1) == 1
+    bsz, h, n, d = o_a.shape
+    out = torch.empty_like(o_a) if out is None else out
+    assert out.shape == o_a.shape and out.stride(-1) == 1
+    bl, bd = 32, triton.next_power_of_2(d)
+    _merge_kernel[(triton.cdiv(n, bl), h, bsz)](
+        o_a, *o_a.stride()[:3], o_b, *o_b.stride()[:3], lse_a, *lse_a.stride(), lse_b, *lse_b.stride(),
+        out, *out.stride()[:3], n, D=d, BL=bl, BD=bd, num_warps=4,
+    )
+    return out
+
+
 def attention_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, attend: AttendLse,
-                    d_v: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                    d_v: int, out: torch.Tensor | None = None, merge: Callable | None = None) -> torch.Tensor:
     """The lower-right causal attention of a chunk of L queries at the end of S keys (q [1, H, L, d], k and
     v [1, H, S, d]) as two calls `attend` serves at full speed, merged by log-sum-exp: the queries over the
     S - L cached keys without a mask, and over the chunk's own L keys with the top-left causal mask. The
-    result's first d_v values (v may be padded wider): [1, H, L, d_v] (into `out` when given)."""
+    result's first d_v values (v may be padded wider): [1, H, L, d_v] (into `out` when given). `merge`:
+    `merge_attention_triton` on CUDA, `merge_attention` elsewhere, unless given."""
     ctx = k.shape[2] - q.shape[2]
     o_a, lse_a = attend(q, k[:, :, :ctx], v[:, :, :ctx], False, scale)
     o_b, lse_b = attend(q, k[:, :, ctx:], v[:, :, ctx:], True, scale)
-    return merge_attention(o_a[..., :d_v], lse_a, o_b[..., :d_v], lse_b, out)
+    merge = merge or (merge_attention_triton if q.is_cuda else merge_attention)
+    return merge(o_a[..., :d_v], lse_a, o_b[..., :d_v], lse_b, out)
 
 
 def cudnn_attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,

@@ -7,7 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hyserve.ops.mla_decode import cudnn_attention_lse, cudnn_split_mode, mla_prefill_fast, reference_attention_lse
+from hyserve.ops.mla_decode import (
+    cudnn_attention_lse,
+    cudnn_split_mode,
+    merge_attention,
+    merge_attention_triton,
+    mla_prefill_fast,
+    reference_attention_lse,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 H, DN, DR, DV, R, BS = 32, 128, 64, 128, 512, 64
@@ -90,3 +97,15 @@ def test_split_prefill_matches_the_single_lower_right_call(ql, cl):
     for i, nq in enumerate(ql):
         assert rel_err(split[q0 : q0 + nq], single[q0 : q0 + nq]) < 1e-2, i
         q0 += nq
+
+
+def test_triton_merge_of_bf16_parts_matches_the_torch_merge():
+    """Parts sliced from 192-wide (padded-v) outputs, merged into the [L, H, d_v] output as the prefill does."""
+    gen = torch.Generator("cuda").manual_seed(2)
+    n = 2049
+    o_a, o_b = _heads_first(n, DN + DR, gen)[..., :DV], _heads_first(n, DN + DR, gen)[..., :DV]
+    lse_a, lse_b = (torch.randn(2, 1, H, n, device="cuda", generator=gen) * 5).unbind(0)
+    out = torch.empty(n, H, DV, device="cuda", dtype=torch.bfloat16)
+    merge_attention_triton(o_a, lse_a, o_b, lse_b, out=out.transpose(0, 1).unsqueeze(0))
+    want = merge_attention(o_a, lse_a, o_b, lse_b)[0].transpose(0, 1)
+    torch.testing.assert_close(out.float(), want.float(), rtol=2**-7, atol=1e-6)
