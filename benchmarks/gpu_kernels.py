@@ -266,12 +266,23 @@ def _prefill_flops(nq: int, nc: int, h: int, d_qk: int, d_v: int) -> float:
     return 2 * h * (d_qk + d_v) * keys_seen
 
 
+def _first_call_ms(fn) -> float:
+    """Wall time of one call of fn() from an idle GPU to its end: a first call's host work included."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
+
+
 def mla_prefill_rows(ceil, gen) -> list[str]:
     """MLA prefill attention of one chunk at the 48B shape (32 heads, q/k 192, v 128; bf16), eager as the
     prefill step runs it: the one SDPA call with a lower-right causal bias (FlashAttention-2, v padded to
     192) against the split (`attention_split`: cuDNN over the cached keys unmasked and over the chunk's own
     keys causally, merged by log-sum-exp), with the split's parts and the whole `mla_prefill_fast` of both.
-    TFLOP/s count the useful causal products at v's own width; floor = those FLOPs at the matmul rate."""
+    TFLOP/s count the useful causal products at v's own width; floor = those FLOPs at the matmul rate.
+    `TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 python benchmarks/gpu_kernels.py --only mla_prefill` shows the
+    first-call costs with torch's cuDNN plans shared across lengths (read once per process)."""
     import torch.nn.functional as F
     from torch.nn.attention.bias import causal_lower_right
 
@@ -281,6 +292,7 @@ def mla_prefill_rows(ceil, gen) -> list[str]:
         cudnn_split_mode,
         merge_attention,
         merge_attention_triton,
+        split_values,
     )
 
     hh, dn, dr, dv, r, bs = 32, 128, 64, 128, 512, 64
@@ -294,7 +306,7 @@ def mla_prefill_rows(ceil, gen) -> list[str]:
         v_pad = F.pad(v_narrow, (0, d - dv))
         mode = cudnn_split_mode(q, k, v_narrow)
         qi, ki = q.transpose(0, 1)[None], k.transpose(0, 1)[None]
-        vi = (v_narrow if mode == "narrow" else v_pad).transpose(0, 1)[None]
+        vi = split_values(v_narrow, mode, d).transpose(0, 1)[None] if mode else None
         out = torch.empty(nq, hh, dv, device="cuda", dtype=torch.bfloat16)
         flops = _prefill_flops(nq, nc, hh, d, dv)
         floor = flops / (ceil["mm_tflops"] * 1e12) * 1e3
@@ -305,10 +317,17 @@ def mla_prefill_rows(ceil, gen) -> list[str]:
             return (f"| MLA prefill attention, {nq} queries over {nc} keys, {label} | {ms:.3f} ms | - | "
                     f"{flops / ms / 1e9:.0f} TFLOP/s | {floor:.3f} ms | {floor / ms:.0%} | {note} |")
 
+        # a shape cuDNN has not seen builds its execution plans on the first call (host time), once per
+        # shape and thread unless TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 buckets the lengths; FA2 builds none
+        old_first = _first_call_ms(lambda: F.scaled_dot_product_attention(
+            qi[:, :, 1:], ki[:, :, 1:], v_pad.transpose(0, 1)[None, :, 1:], attn_mask=causal_lower_right(nq - 1, nc - 1),
+            scale=scale))
         if nq == nc:  # a fresh prompt: one plain causal call either way
-            rows.append(row("causal call (fresh prompt)", old, "SDPA is_causal, v padded to 192"))
+            rows.append(row("causal call (fresh prompt)", old,
+                            f"SDPA is_causal, v padded to 192; first call of a new length {old_first:.1f} ms wall"))
             continue
-        rows.append(row("one lower-right call", old, "SDPA causal_lower_right, v padded to 192"))
+        rows.append(row("one lower-right call", old, f"SDPA causal_lower_right, v padded to 192; first call of a new "
+                                                     f"shape {old_first:.1f} ms wall"))
         if mode is None:
             rows.append(row("split", float("nan"), "no cuDNN split here: mla_prefill_fast keeps the one call"))
             continue
@@ -323,18 +342,12 @@ def mla_prefill_rows(ceil, gen) -> list[str]:
                                                        out=out.transpose(0, 1)[None]))
         merge_torch = time_ms(lambda: merge_attention(o_a[..., :dv], lse_a, o_b[..., :dv], lse_b,
                                                       out=out.transpose(0, 1)[None]))
-        # a shape cuDNN has not seen builds its execution plans on the first call (host time); FA2 builds none
-        q1 = qi[:, :, : nq - 1]
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        attention_split(q1, ki[:, :, 1:], vi[:, :, 1:], scale, cudnn_attention_lse, dv)
-        torch.cuda.synchronize()
-        first = (time.perf_counter() - t0) * 1e3
+        first = _first_call_ms(lambda: attention_split(qi[:, :, 1:], ki[:, :, 1:], vi[:, :, 1:], scale,
+                                                       cudnn_attention_lse, dv))
         rows.append(row(f"split ({mode} v)", ms,
                         f"{old / ms:.2f}x the one call; cuDNN over the {ctx} cached keys {part_a:.3f} ms, over the "
                         f"chunk causally {part_b:.3f} ms, merge {merge:.3f} ms (Triton; torch ops {merge_torch:.3f}); "
-                        f"first call of a new shape "
-                        f"{first:.1f} ms wall"))
+                        f"first call of a new shape {first:.1f} ms wall"))
         q = k = kv = v_pad = v_narrow = qi = ki = vi = o_a = o_b = None
         torch.cuda.empty_cache()
     rows += _mla_prefill_whole_rows(gen, hh, dn, dr, dv, r, bs, scale)

@@ -506,48 +506,58 @@ def reference_attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     return o.to(q.dtype), lse
 
 
-# the cuDNN split's v form per class of inputs (device, dtype, heads, widths, strides): "narrow" (v at
-# d_v, as the up-projection leaves it), "padded" (v zero-padded to the q/k width) or None (no cuDNN op for
-# this class: the single lower-right call). Probed once per class, so the hot path holds no try/except
+# A chunk or a cached context under this many rows keeps the one lower-right call: its attention takes
+# microseconds either way, and cuDNN then never sees a key length of 1 (which SDPA itself keeps from it)
+SPLIT_MIN_ROWS = 64
+
+# the cuDNN split's v form per class of inputs (device, dtype, heads, q/k and v widths): "narrow" (v at
+# d_v), "padded" (v zero-padded to the q/k width) or None (no cuDNN op for this class: the one lower-right
+# call). Probed once per class, so the hot path holds no try/except
 _CUDNN_SPLIT: dict[tuple, str | None] = {}
 
 
 def cudnn_split_mode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
     """How the cuDNN split serves q, k [T, H, d] and v [T, H, d_v] laid end to end ("narrow", "padded"),
     or None where it cannot: not CUDA, cuDNN SDPA off or missing in this torch, or the op rejects or
-    miscomputes the class (dtype, head dims) on a small probe."""
+    miscomputes the class (dtype, head dims) on a probe of the first rows (at least SPLIT_MIN_ROWS of q,
+    twice that of k: what a split chunk brings)."""
     if not q.is_cuda or not torch.backends.cuda.cudnn_sdp_enabled():
         return None
-    key = (q.device, q.dtype, q.shape[1:], k.stride()[1:], v.shape[1:], v.stride()[1:])
+    key = (q.device, q.dtype, tuple(q.shape[1:]), k.shape[-1], v.shape[-1])
     if key not in _CUDNN_SPLIT:
+        # the probe reads its results back (not while a graph is captured) and needs the rows of a chunk
+        # it would split
+        if torch.cuda.is_current_stream_capturing() or q.shape[0] < SPLIT_MIN_ROWS or k.shape[0] < 2 * SPLIT_MIN_ROWS:
+            return None
         _CUDNN_SPLIT[key] = _probe_cudnn_split(q, k, v)
     return _CUDNN_SPLIT[key]
 
 
-def _probe_cudnn_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
-    """The first v form for which the cuDNN op runs and agrees with the math reference on the first rows
-    of these very tensors (their strides and alignment), at the shapes a split meets: one query, one key,
-    a few dozen of each, masked and not."""
+def split_values(v: torch.Tensor, mode: str, width: int) -> torch.Tensor:
+    """v [T, H, d_v] as the cuDNN split reads it: dense ("narrow"), or zero-padded to `width` ("padded").
+    Dense keys, queries and values in the [T, H, d] order are what torch's cuDNN attention can serve
+    without building plans for every sequence length (TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1)."""
     import torch.nn.functional as F
 
+    return v.contiguous() if mode == "narrow" else F.pad(v, (0, width - v.shape[-1]))
+
+
+def _probe_cudnn_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """The first v form for which the cuDNN op runs and agrees with the math reference on the first rows
+    of these tensors, causal and unmasked, at lengths a split meets (also ones that are no multiple of a
+    tile)."""
     if not hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
         return None
-    n = min(q.shape[0], k.shape[0], 48)
-    d, d_v = q.shape[-1], v.shape[-1]
-
-    def heads_first(z: torch.Tensor, rows: int) -> torch.Tensor:
-        return z[:rows].transpose(0, 1).unsqueeze(0)
-
-    shapes = [(1, 1, True), (1, n, False), (n, n, True), (n, 1, False), (max(1, n // 3), n, False)]
+    m, d = SPLIT_MIN_ROWS, q.shape[-1]
+    shapes = [(m, m, True), (m, 2 * m - 3, False), (m - 7, m - 7, True)]
     for mode in ("narrow", "padded"):
+        vm = split_values(v[: 2 * m], mode, d)
         ok = True
         for nq, nk, causal in shapes:
-            qs, ks, vs = heads_first(q, nq), heads_first(k, nk), heads_first(v, nk)
-            if mode == "padded":
-                vs = F.pad(vs, (0, d - d_v))
+            qs, ks, vs = (z[:n].transpose(0, 1).unsqueeze(0) for z, n in ((q, nq), (k, nk), (vm, nk)))
             try:
                 o, lse = cudnn_attention_lse(qs, ks, vs, causal, d**-0.5)
-            except RuntimeError:
+            except (RuntimeError, ValueError, NotImplementedError):
                 ok = False
                 break
             o_ref, lse_ref = reference_attention_lse(qs, ks, vs, causal, d**-0.5)
@@ -576,9 +586,10 @@ def mla_prefill_fast(
     through FlashAttention-2 at about half cuDNN's rate on the H200. Returns [Tq, H, d_v].
     `context_rows`: (page, row) of every cached position (`PrefillRows.context_rows`, built once for every
     layer of a step); without it they are derived from block_tables here.
-    `split`: None = split where cuDNN serves the inputs (`cudnn_split_mode`), else one lower-right SDPA
-    call; False = always the one call; True = always split, through the math reference where cuDNN
-    cannot (the CPU tests).
+    `split`: None = split the chunks of at least SPLIT_MIN_ROWS over at least as many cached rows where
+    cuDNN serves the inputs (`cudnn_split_mode`); False = one lower-right call per chunk; True = split
+    every chunk over a cached context, through the math reference where cuDNN does not serve the inputs
+    (the CPU tests).
     """
     import torch.nn.functional as F
     from torch.nn.attention.bias import causal_lower_right
@@ -591,23 +602,29 @@ def mla_prefill_fast(
     kv = (rows[:, :kv_lora_rank].to(kv_b.dtype) @ kv_b.t()).view(total, h, dn + v_head_dim)
     k = torch.cat([kv[..., :dn], rows[:, None, kv_lora_rank:].to(kv.dtype).expand(-1, h, -1)], -1)
     q = torch.cat([q_nope, q_rope], -1).to(k.dtype)
-    v_narrow = kv[..., dn:]
-    chunked = any(nq < nc for nq, nc in zip(query_lens, context_lens))
-    mode = cudnn_split_mode(q, k, v_narrow) if chunked and split is not False else None
+    v_lat = kv[..., dn:]
+    m = SPLIT_MIN_ROWS
+    splits = [split is not False and nq < nc and (split or (nq >= m and nc - nq >= m))
+              for nq, nc in zip(query_lens, context_lens)]
+    mode = cudnn_split_mode(q, k, v_lat) if any(splits) else None
     attend: AttendLse | None = None if mode is None else cudnn_attention_lse
     if mode is None and split:
         mode, attend = "narrow", reference_attention_lse
-    fresh = any(nq == nc for nq, nc in zip(query_lens, context_lens))
-    # the narrow split skips the padded copy of v (and a third of the P·V products) unless a fresh prompt
-    # or the single call needs it
-    v_padded = F.pad(v_narrow, (0, k.shape[-1] - v_head_dim)) if mode != "narrow" or fresh else None
+    if attend is None:
+        splits = [False] * len(splits)
+    v_split = split_values(v_lat, mode, k.shape[-1]) if any(splits) else None
+    # the narrow split needs no padded copy of v (and does a third fewer P·V products) unless a sequence
+    # takes the one call
+    v_padded = v_split if mode == "padded" else None
+    if not all(splits):
+        v_padded = F.pad(v_lat, (0, k.shape[-1] - v_head_dim)) if v_padded is None else v_padded
     out = torch.empty(q.shape[0], h, v_head_dim, dtype=k.dtype, device=dev)
     q0 = c0 = 0
-    for nq, nc in zip(query_lens, context_lens):
+    for nq, nc, sp in zip(query_lens, context_lens, splits):
         qi = q[q0 : q0 + nq].transpose(0, 1).unsqueeze(0)
         ki = k[c0 : c0 + nc].transpose(0, 1).unsqueeze(0)
-        if attend is not None and nq < nc:
-            vi = (v_narrow if mode == "narrow" else v_padded)[c0 : c0 + nc].transpose(0, 1).unsqueeze(0)
+        if sp:
+            vi = v_split[c0 : c0 + nc].transpose(0, 1).unsqueeze(0)
             attention_split(qi, ki, vi, scale, attend, v_head_dim, out=out[q0 : q0 + nq].transpose(0, 1).unsqueeze(0))
         else:
             vi = v_padded[c0 : c0 + nc].transpose(0, 1).unsqueeze(0)

@@ -64,7 +64,7 @@ def test_cudnn_serves_the_split_at_the_48b_shape_on_hopper():
 
 
 def test_fp32_inputs_fall_back_to_the_single_lower_right_call():
-    q, k, v = torch.randn(3, 64, 4, 64, device="cuda")
+    q, k, v = torch.randn(3, 256, 4, 64, device="cuda")
     assert cudnn_split_mode(q, k, v) is None
 
 
@@ -84,11 +84,11 @@ def test_cudnn_log_sum_exp_is_the_natural_log_sum_exp_of_the_scaled_scores(causa
     assert rel_err(o, o_ref) < 1e-2
 
 
-@pytest.mark.parametrize("ql,cl", [([2049], [12288]), ([8192], [16384]), ([7, 300, 1, 64, 5], [7, 1300, 65, 64, 5 + 40])],
+@pytest.mark.parametrize("ql,cl", [([2049], [12288]), ([8192], [16384]), ([7, 300, 1, 64, 5, 64], [7, 1300, 65, 64, 45, 128])],
                          ids=["2049-over-12288", "8192-over-16384", "small-mixed"])
 def test_split_prefill_matches_the_single_lower_right_call(ql, cl):
-    """The small step mixes fresh prompts (one causal call either way) with chunks over short contexts, one
-    of a single token."""
+    """The small step mixes fresh prompts (one causal call either way), chunks too short to split (one of a
+    single token) and chunks split: 300 over 1000 cached rows, 64 over 64 (the smallest split)."""
     qn, qr, pages, bt, kvb = _inputs(ql, cl, len(ql))
     scale = (DN + DR) ** -0.5
     single = mla_prefill_fast(qn, qr, pages, 1, bt, ql, cl, kvb, R, DV, scale, split=False)
