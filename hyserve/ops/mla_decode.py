@@ -417,8 +417,8 @@ def mla_absorbed_decode_fast(
     return o.transpose(0, 1)
 
 
-# attend(q, k, v, causal, scale) -> (o, lse): attention of q [1, H, L, d] over k, v [1, H, S, d] with
-# each query's natural log-sum-exp [1, H, L] (fp32); causal = SDPA's top-left is_causal
+# attend(q, k, v, causal, scale) -> (o, lse): attention of q [1, H, L, d] over k [1, H, S, d] and
+# v [1, H, S, d_v], with each query's natural log-sum-exp [1, H, L] (fp32); causal = SDPA's top-left is_causal
 AttendLse = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool, float], tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -474,7 +474,8 @@ def merge_attention_triton(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Te
 
 
 def attention_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, attend: AttendLse,
-                    d_v: int, out: torch.Tensor | None = None, merge: Callable | None = None) -> torch.Tensor:
+                    d_v: int, out: torch.Tensor | None = None,
+                    merge: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
     """The lower-right causal attention of a chunk of L queries at the end of S keys (q [1, H, L, d], k and
     v [1, H, S, d]) as two calls `attend` serves at full speed, merged by log-sum-exp: the queries over the
     S - L cached keys without a mask, and over the chunk's own L keys with the top-left causal mask. The
