@@ -520,17 +520,14 @@ _CUDNN_SPLIT: dict[tuple, str | None] = {}
 def cudnn_split_mode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
     """How the cuDNN split serves q, k [T, H, d] and v [T, H, d_v] laid end to end ("narrow", "padded"),
     or None where it cannot: not CUDA, cuDNN SDPA off or missing in this torch, or the op rejects or
-    miscomputes the class (dtype, head dims) on a probe of the first rows (at least SPLIT_MIN_ROWS of q,
-    twice that of k: what a split chunk brings)."""
+    miscomputes the class (dtype, head dims) on a probe."""
     if not q.is_cuda or not torch.backends.cuda.cudnn_sdp_enabled():
         return None
-    key = (q.device, q.dtype, tuple(q.shape[1:]), k.shape[-1], v.shape[-1])
+    key = (q.device, q.dtype, q.shape[1], q.shape[-1], k.shape[-1], v.shape[-1])
     if key not in _CUDNN_SPLIT:
-        # the probe reads its results back (not while a graph is captured) and needs the rows of a chunk
-        # it would split
-        if torch.cuda.is_current_stream_capturing() or q.shape[0] < SPLIT_MIN_ROWS or k.shape[0] < 2 * SPLIT_MIN_ROWS:
+        if torch.cuda.is_current_stream_capturing():  # the probe reads its results back: not now
             return None
-        _CUDNN_SPLIT[key] = _probe_cudnn_split(q, k, v)
+        _CUDNN_SPLIT[key] = _probe_cudnn_split(q.device, q.dtype, q.shape[1], q.shape[-1], v.shape[-1])
     return _CUDNN_SPLIT[key]
 
 
@@ -543,16 +540,20 @@ def split_values(v: torch.Tensor, mode: str, width: int) -> torch.Tensor:
     return v.contiguous() if mode == "narrow" else F.pad(v, (0, width - v.shape[-1]))
 
 
-def _probe_cudnn_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
-    """The first v form for which the cuDNN op runs and agrees with the math reference on the first rows
-    of these tensors, causal and unmasked, at lengths a split meets (also ones that are no multiple of a
-    tile)."""
+def _probe_cudnn_split(device: torch.device, dtype: torch.dtype, h: int, d: int, d_v: int) -> str | None:
+    """The first v form for which the cuDNN op runs and agrees with the math reference, causal and
+    unmasked, at lengths a split meets (also ones that are no multiple of a tile). Random inputs laid out
+    as `mla_prefill_fast` lays out its own (dense [T, H, d] rows), not the step's, which may hold anything
+    (rows of a cache never written)."""
     if not hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
         return None
-    m, d = SPLIT_MIN_ROWS, q.shape[-1]
+    m = SPLIT_MIN_ROWS
+    gen = torch.Generator(device).manual_seed(0)
+    q, k = (torch.randn(2, 2 * m, h, d, device=device, generator=gen).to(dtype)).unbind(0)
+    v = torch.randn(2 * m, h, d_v, device=device, generator=gen).to(dtype)
     shapes = [(m, m, True), (m, 2 * m - 3, False), (m - 7, m - 7, True)]
     for mode in ("narrow", "padded"):
-        vm = split_values(v[: 2 * m], mode, d)
+        vm = split_values(v, mode, d)
         ok = True
         for nq, nk, causal in shapes:
             qs, ks, vs = (z[:n].transpose(0, 1).unsqueeze(0) for z, n in ((q, nq), (k, nk), (vm, nk)))
