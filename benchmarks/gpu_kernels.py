@@ -1,10 +1,11 @@
 # ruff: noqa: B023  (timing lambdas run inside the loop that binds them)
 """Kernel micro-benchmarks with their own floors: fused KDA decode, one token and T tokens per sequence
-(state bytes vs copy bandwidth), paged MLA decode (cache rows vs copy bandwidth), grouped MoE (distinct
-expert weights vs bandwidth, FLOPs vs matmul rate).
+(state bytes vs copy bandwidth), paged MLA decode (cache rows vs copy bandwidth), MLA prefill of a chunk
+over a cached context (one lower-right SDPA call vs the cuDNN split; FLOPs vs matmul rate), grouped MoE
+(distinct expert weights vs bandwidth, FLOPs vs matmul rate).
 
     python benchmarks/gpu_kernels.py                 # every section
-    python benchmarks/gpu_kernels.py --only kda,moe  # some of kda, kda_prefill, kda_multi, mla, moe
+    python benchmarks/gpu_kernels.py --only kda,moe  # some of kda, kda_prefill, kda_multi, mla, mla_prefill, moe
 
 KDA decode, MLA decode and MoE are timed as CUDA-graph replays, as decode steps run them (a timed eager
 call also counts the host's launch path, which is most of it at batch 1). MLA decode is timed with L2
@@ -17,6 +18,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 
 import torch
 from gpu_common import capture_graph, ceilings, report, time_graph_ms, time_graph_per_call_ms, time_ms
@@ -258,6 +260,124 @@ def mla_rows(ceil, gen) -> list[str]:
     return rows
 
 
+def _prefill_flops(nq: int, nc: int, h: int, d_qk: int, d_v: int) -> float:
+    """Useful FLOPs of causal attention of nq queries at the end of nc keys (v at its own width d_v)."""
+    keys_seen = nq * (nc - nq) + nq * (nq + 1) / 2
+    return 2 * h * (d_qk + d_v) * keys_seen
+
+
+def _first_call_ms(fn) -> float:
+    """Wall time of one call of fn() from an idle GPU to its end: a first call's host work included."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def mla_prefill_rows(ceil, gen) -> list[str]:
+    """MLA prefill attention of one chunk at the 48B shape (32 heads, q/k 192, v 128; bf16), eager as the
+    prefill step runs it: the one SDPA call with a lower-right causal bias (FlashAttention-2, v padded to
+    192) against the split (`attention_split`: cuDNN over the cached keys unmasked and over the chunk's own
+    keys causally, merged by log-sum-exp), with the split's parts and the whole `mla_prefill_fast` of both.
+    TFLOP/s count the useful causal products at v's own width; floor = those FLOPs at the matmul rate.
+    `TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 python benchmarks/gpu_kernels.py --only mla_prefill` shows the
+    first-call costs with torch's cuDNN plans shared across lengths (read once per process)."""
+    import torch.nn.functional as F
+    from torch.nn.attention.bias import causal_lower_right
+
+    from hyserve.ops.mla_decode import (
+        attention_split,
+        cudnn_attention_lse,
+        cudnn_split_mode,
+        merge_attention,
+        merge_attention_triton,
+        split_values,
+    )
+
+    hh, dn, dr, dv, r, bs = 32, 128, 64, 128, 512, 64
+    d, scale = dn + dr, (dn + dr) ** -0.5
+    rows = []
+    for nq, nc in ((8192, 8192), (512, 4096), (2049, 12288), (8192, 16384), (8192, 32768)):
+        q = torch.randn(nq, hh, d, device="cuda", generator=gen).to(torch.bfloat16)
+        k = torch.randn(nc, hh, d, device="cuda", generator=gen).to(torch.bfloat16)
+        kv = torch.randn(nc, hh, dn + dv, device="cuda", generator=gen).to(torch.bfloat16)
+        v_narrow = kv[..., dn:]
+        v_pad = F.pad(v_narrow, (0, d - dv))
+        mode = cudnn_split_mode(q, k, v_narrow)
+        qi, ki = q.transpose(0, 1)[None], k.transpose(0, 1)[None]
+        vi = split_values(v_narrow, mode, d).transpose(0, 1)[None] if mode else None
+        out = torch.empty(nq, hh, dv, device="cuda", dtype=torch.bfloat16)
+        flops = _prefill_flops(nq, nc, hh, d, dv)
+        floor = flops / (ceil["mm_tflops"] * 1e12) * 1e3
+        old = time_ms(lambda: F.scaled_dot_product_attention(qi, ki, v_pad.transpose(0, 1)[None],
+                                                             attn_mask=causal_lower_right(nq, nc), scale=scale))
+
+        def row(label: str, ms: float, note: str) -> str:
+            return (f"| MLA prefill attention, {nq} queries over {nc} keys, {label} | {ms:.3f} ms | - | "
+                    f"{flops / ms / 1e9:.0f} TFLOP/s | {floor:.3f} ms | {floor / ms:.0%} | {note} |")
+
+        # a shape cuDNN has not seen builds its execution plans on the first call (host time), once per
+        # shape and thread unless TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 buckets the lengths; FA2 builds none
+        old_first = _first_call_ms(lambda: F.scaled_dot_product_attention(
+            qi[:, :, 1:], ki[:, :, 1:], v_pad.transpose(0, 1)[None, :, 1:], attn_mask=causal_lower_right(nq - 1, nc - 1),
+            scale=scale))
+        if nq == nc:  # a fresh prompt: one plain causal call either way
+            rows.append(row("causal call (fresh prompt)", old,
+                            f"SDPA is_causal, v padded to 192; first call of a new length {old_first:.1f} ms wall"))
+            continue
+        rows.append(row("one lower-right call", old, f"SDPA causal_lower_right, v padded to 192; first call of a new "
+                                                     f"shape {old_first:.1f} ms wall"))
+        if mode is None:
+            rows.append(row("split", float("nan"), "no cuDNN split here: mla_prefill_fast keeps the one call"))
+            continue
+        ctx = nc - nq
+        ms = time_ms(lambda: attention_split(qi, ki, vi, scale, cudnn_attention_lse, dv,
+                                             out=out.transpose(0, 1)[None]))
+        part_a = time_ms(lambda: cudnn_attention_lse(qi, ki[:, :, :ctx], vi[:, :, :ctx], False, scale))
+        part_b = time_ms(lambda: cudnn_attention_lse(qi, ki[:, :, ctx:], vi[:, :, ctx:], True, scale))
+        o_a, lse_a = cudnn_attention_lse(qi, ki[:, :, :ctx], vi[:, :, :ctx], False, scale)
+        o_b, lse_b = cudnn_attention_lse(qi, ki[:, :, ctx:], vi[:, :, ctx:], True, scale)
+        merge = time_ms(lambda: merge_attention_triton(o_a[..., :dv], lse_a, o_b[..., :dv], lse_b,
+                                                       out=out.transpose(0, 1)[None]))
+        merge_torch = time_ms(lambda: merge_attention(o_a[..., :dv], lse_a, o_b[..., :dv], lse_b,
+                                                      out=out.transpose(0, 1)[None]))
+        first = _first_call_ms(lambda: attention_split(qi[:, :, 1:], ki[:, :, 1:], vi[:, :, 1:], scale,
+                                                       cudnn_attention_lse, dv))
+        rows.append(row(f"split ({mode} v)", ms,
+                        f"{old / ms:.2f}x the one call; cuDNN over the {ctx} cached keys {part_a:.3f} ms, over the "
+                        f"chunk causally {part_b:.3f} ms, merge {merge:.3f} ms (Triton; torch ops {merge_torch:.3f}); "
+                        f"first call of a new shape {first:.1f} ms wall"))
+        q = k = kv = v_pad = v_narrow = qi = ki = vi = o_a = o_b = None
+        torch.cuda.empty_cache()
+    rows += _mla_prefill_whole_rows(gen, hh, dn, dr, dv, r, bs, scale)
+    return rows
+
+
+def _mla_prefill_whole_rows(gen, hh: int, dn: int, dr: int, dv: int, r: int, bs: int, scale: float) -> list[str]:
+    """The whole `mla_prefill_fast` (row gather, up-projection GEMM, v padding, attention) of one layer for
+    one chunk over a cached context, with split=False (the one lower-right call) and split=None (the split
+    where cuDNN serves it)."""
+    from hyserve.ops.mla_decode import mla_prefill_fast
+
+    rows = []
+    for nq, nc in ((2049, 12288), (8192, 16384)):
+        blocks = (nc + bs - 1) // bs
+        pages = torch.randn(blocks, 1, bs, r + dr, device="cuda", generator=gen).to(torch.bfloat16)
+        bt = torch.randperm(blocks, device="cuda", generator=gen).view(1, blocks)
+        kvb = (torch.randn(hh * (dn + dv), r, device="cuda", generator=gen) * 0.05).to(torch.bfloat16)
+        qn = torch.randn(nq, hh, dn, device="cuda", generator=gen).to(torch.bfloat16)
+        qr = torch.randn(nq, hh, dr, device="cuda", generator=gen).to(torch.bfloat16)
+        t = {split: time_ms(lambda split=split: mla_prefill_fast(qn, qr, pages, 0, bt, [nq], [nc], kvb, r, dv, scale,
+                                                                split=split))
+             for split in (False, None)}
+        flops = _prefill_flops(nq, nc, hh, dn + dr, dv)
+        rows.append(f"| mla_prefill_fast, {nq} queries over {nc} keys (one layer) | {t[None]:.3f} ms | - | "
+                    f"{flops / t[None] / 1e9:.0f} TFLOP/s | - | - | split=False (one lower-right call) "
+                    f"{t[False]:.3f} ms = {flops / t[False] / 1e9:.0f} TFLOP/s: {t[False] / t[None]:.2f}x |")
+    return rows
+
+
 def byts_of(ids, d, inter) -> float:
     return int(torch.unique(ids).numel()) * 3 * d * inter * 2
 
@@ -390,7 +510,8 @@ def router_rows(ceil, gen) -> list[str]:
                     f"warps) {cfg}; cast + GEMV + selection {old * 1e3:.1f} µs, {old / ms:.2f}x |")
     return rows
 
-SECTIONS = {"kda": kda_rows, "kda_prefill": kda_prefill_rows, "kda_multi": kda_multi_rows, "mla": mla_rows, "moe": moe_rows,
+SECTIONS = {"kda": kda_rows, "kda_prefill": kda_prefill_rows, "kda_multi": kda_multi_rows, "mla": mla_rows,
+            "mla_prefill": mla_prefill_rows, "moe": moe_rows,
             "gemv": gemv_rows, "router": router_rows}
 
 

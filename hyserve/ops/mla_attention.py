@@ -84,3 +84,18 @@ def mla_absorbed_decode(
     p = torch.softmax(scores, -1)
     o_lat = torch.einsum("nhs,nsr->nhr", p, rows[..., :kv_lora_rank])
     return torch.einsum("nhr,hvr->nhv", o_lat, w_uv)
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of q [..., L, d] over k [..., S, d], v [..., S, d_v] in fp32, with the natural
+    log-sum-exp of each query's scaled scores: (o [..., L, d_v], lse [..., L]). `causal`: query i sees
+    keys 0..i (the top-left mask, as SDPA's is_causal). No key at all gives lse = -inf and o = 0, which
+    a log-sum-exp merge weighs as nothing."""
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale
+    if causal:
+        above = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(above, float("-inf"))
+    lse = torch.logsumexp(scores, -1)
+    p = torch.exp(scores - lse[..., None])
+    return p @ v.float(), lse

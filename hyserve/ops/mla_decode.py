@@ -48,6 +48,7 @@ products need ~250 TFLOP/s: tensor cores, with little shared-memory traffic per 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import triton
@@ -416,18 +417,181 @@ def mla_absorbed_decode_fast(
     return o.transpose(0, 1)
 
 
+# attend(q, k, v, causal, scale) -> (o, lse): attention of q [1, H, L, d] over k [1, H, S, d] and
+# v [1, H, S, d_v], with each query's natural log-sum-exp [1, H, L] (fp32); causal = SDPA's top-left is_causal
+AttendLse = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool, float], tuple[torch.Tensor, torch.Tensor]]
+
+
+def merge_attention(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention over the union of two disjoint key sets from each set's normalised output o [..., L, d]
+    and natural log-sum-exp lse [..., L]: exactly the softmax over all keys, computed in fp32 and cast to
+    `out`'s dtype (written in place, any strides) or o_a's. A's weight exp(lse_a - m) / (exp(lse_a - m) +
+    exp(lse_b - m)), m = max(lse_a, lse_b), is sigmoid(lse_a - lse_b): no overflow, and a part without keys
+    (lse = -inf) weighs 0."""
+    w_a = torch.sigmoid(lse_a.float() - lse_b.float()).unsqueeze(-1)
+    merged = torch.lerp(o_b.float(), o_a.float(), w_a)
+    if out is None:
+        return merged.to(o_a.dtype)
+    return out.copy_(merged)
+
+
+@triton.jit
+def _merge_kernel(oa_ptr, s_oab, s_oah, s_oal, ob_ptr, s_obb, s_obh, s_obl, la_ptr, s_lab, s_lah, s_lal,
+                  lb_ptr, s_lbb, s_lbh, s_lbl, out_ptr, s_outb, s_outh, s_outl, L,
+                  D: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr):
+    """Program (query block, head, batch): `merge_attention` of BL queries, all D values, in one pass."""
+    pl, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = pl * BL + tl.arange(0, BL)
+    cols = tl.arange(0, BD)
+    rmask = rows < L
+    mask = rmask[:, None] & (cols < D)[None, :]
+    la = tl.load(la_ptr + b * s_lab + h * s_lah + rows * s_lal, mask=rmask, other=0.0)
+    lb = tl.load(lb_ptr + b * s_lbb + h * s_lbh + rows * s_lbl, mask=rmask, other=0.0)
+    w = tl.sigmoid(la - lb)[:, None]
+    oa = tl.load(oa_ptr + b * s_oab + h * s_oah + rows[:, None] * s_oal + cols[None, :], mask=mask, other=0.0)
+    ob = tl.load(ob_ptr + b * s_obb + h * s_obh + rows[:, None] * s_obl + cols[None, :], mask=mask, other=0.0)
+    ob = ob.to(tl.float32)
+    o = ob + w * (oa.to(tl.float32) - ob)
+    tl.store(out_ptr + b * s_outb + h * s_outh + rows[:, None] * s_outl + cols[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def merge_attention_triton(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """`merge_attention` of o [B, H, L, D] (last dim unit-stride) as one Triton kernel: the torch form
+    makes four passes over fp32 copies of the outputs, this one reads each output once and writes once."""
+    assert o_a.dim() == 4 and o_a.shape == o_b.shape and o_a.stride(-1) == o_b.stride(-1) == 1
+    bsz, h, n, d = o_a.shape
+    out = torch.empty_like(o_a) if out is None else out
+    assert out.shape == o_a.shape and out.stride(-1) == 1
+    bl, bd = 32, triton.next_power_of_2(d)
+    _merge_kernel[(triton.cdiv(n, bl), h, bsz)](
+        o_a, *o_a.stride()[:3], o_b, *o_b.stride()[:3], lse_a, *lse_a.stride(), lse_b, *lse_b.stride(),
+        out, *out.stride()[:3], n, D=d, BL=bl, BD=bd, num_warps=4,
+    )
+    return out
+
+
+def attention_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, attend: AttendLse,
+                    d_v: int, out: torch.Tensor | None = None,
+                    merge: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+    """The lower-right causal attention of a chunk of L queries at the end of S keys (q [1, H, L, d], k and
+    v [1, H, S, d]) as two calls `attend` serves at full speed, merged by log-sum-exp: the queries over the
+    S - L cached keys without a mask, and over the chunk's own L keys with the top-left causal mask. The
+    result's first d_v values (v may be padded wider): [1, H, L, d_v] (into `out` when given). `merge`:
+    `merge_attention_triton` on CUDA, `merge_attention` elsewhere, unless given."""
+    ctx = k.shape[2] - q.shape[2]
+    o_a, lse_a = attend(q, k[:, :, :ctx], v[:, :, :ctx], False, scale)
+    o_b, lse_b = attend(q, k[:, :, ctx:], v[:, :, ctx:], True, scale)
+    merge = merge or (merge_attention_triton if q.is_cuda else merge_attention)
+    return merge(o_a[..., :d_v], lse_a, o_b[..., :d_v], lse_b, out)
+
+
+def cudnn_attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`AttendLse` through cuDNN's fused attention, which SDPA picks for plain causal and unmasked calls
+    but never for a lower-right bias. Its lse is [B, H, L, 1] in torch 2.13 and was [B, H, L] before:
+    reshaped to [B, H, L]."""
+    o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
+                                                                scale=scale)[:2]
+    return o, lse.reshape(o.shape[:-1])
+
+
+def reference_attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`AttendLse` in plain torch math (fp32 scores; for the CPU and tests), o in q's dtype."""
+    from hyserve.ops.mla_attention import attention_with_lse
+
+    o, lse = attention_with_lse(q, k, v, causal, scale)
+    return o.to(q.dtype), lse
+
+
+# A chunk or a cached context under this many rows keeps the one lower-right call: its attention takes
+# microseconds either way, and cuDNN then never sees a key length of 1 (which SDPA itself keeps from it)
+SPLIT_MIN_ROWS = 64
+
+# the cuDNN split's v form per class of inputs (device, dtype, heads, q/k and v widths): "narrow" (v at
+# d_v), "padded" (v zero-padded to the q/k width) or None (no cuDNN op for this class: the one lower-right
+# call). Probed once per class, so the hot path holds no try/except
+_CUDNN_SPLIT: dict[tuple, str | None] = {}
+
+
+def cudnn_split_mode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """How the cuDNN split serves q, k [T, H, d] and v [T, H, d_v] laid end to end ("narrow", "padded"),
+    or None where it cannot: not CUDA, cuDNN SDPA off or missing in this torch, or the op rejects or
+    miscomputes the class (dtype, head dims) on a probe."""
+    if not q.is_cuda or not torch.backends.cuda.cudnn_sdp_enabled():
+        return None
+    key = (q.device, q.dtype, q.shape[1], q.shape[-1], k.shape[-1], v.shape[-1])
+    if key not in _CUDNN_SPLIT:
+        if torch.cuda.is_current_stream_capturing():  # the probe reads its results back: not now
+            return None
+        _CUDNN_SPLIT[key] = _probe_cudnn_split(q.device, q.dtype, q.shape[1], q.shape[-1], v.shape[-1])
+    return _CUDNN_SPLIT[key]
+
+
+def split_values(v: torch.Tensor, mode: str, width: int) -> torch.Tensor:
+    """v [T, H, d_v] as the cuDNN split reads it: dense ("narrow"), or zero-padded to `width` ("padded").
+    Dense keys, queries and values in the [T, H, d] order are what torch's cuDNN attention can serve
+    without building plans for every sequence length (TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1)."""
+    import torch.nn.functional as F
+
+    return v.contiguous() if mode == "narrow" else F.pad(v, (0, width - v.shape[-1]))
+
+
+def _probe_cudnn_split(device: torch.device, dtype: torch.dtype, h: int, d: int, d_v: int) -> str | None:
+    """The first v form for which the cuDNN op runs and agrees with the math reference, causal and
+    unmasked, at lengths a split meets (also ones that are no multiple of a tile). Random inputs laid out
+    as `mla_prefill_fast` lays out its own (dense [T, H, d] rows), not the step's, which may hold anything
+    (rows of a cache never written)."""
+    if not hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
+        return None
+    m = SPLIT_MIN_ROWS
+    gen = torch.Generator(device).manual_seed(0)
+    q, k = (torch.randn(2, 2 * m, h, d, device=device, generator=gen).to(dtype)).unbind(0)
+    v = torch.randn(2 * m, h, d_v, device=device, generator=gen).to(dtype)
+    shapes = [(m, m, True), (m, 2 * m - 3, False), (m - 7, m - 7, True)]
+    for mode in ("narrow", "padded"):
+        vm = split_values(v, mode, d)
+        ok = True
+        for nq, nk, causal in shapes:
+            qs, ks, vs = (z[:n].transpose(0, 1).unsqueeze(0) for z, n in ((q, nq), (k, nk), (vm, nk)))
+            try:
+                o, lse = cudnn_attention_lse(qs, ks, vs, causal, d**-0.5)
+            except (RuntimeError, ValueError, NotImplementedError):
+                ok = False
+                break
+            o_ref, lse_ref = reference_attention_lse(qs, ks, vs, causal, d**-0.5)
+            err = (o.float() - o_ref.float()).norm() / o_ref.float().norm().clamp_min(1e-30)
+            if o.shape != o_ref.shape or not bool(err < 2e-2) or not torch.allclose(lse, lse_ref, rtol=1e-3,
+                                                                                      atol=2e-2):
+                ok = False
+                break
+        if ok:
+            return mode
+    return None
+
+
 def mla_prefill_fast(
     q_nope: torch.Tensor, q_rope: torch.Tensor, pages: torch.Tensor, layer: int, block_tables: torch.Tensor,
     query_lens: list[int], context_lens: list[int], kv_b: torch.Tensor, kv_lora_rank: int, v_head_dim: int,
-    scale: float, context_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+    scale: float, context_rows: tuple[torch.Tensor, torch.Tensor] | None = None, split: bool | None = None,
 ) -> torch.Tensor:
     """Expanded-form attention for prefill sequences laid end to end (q_* [Tq, H, d]).
 
-    The cached rows of all sequences are gathered in one indexing op and up-projected by one GEMM;
-    then one fused SDPA call per sequence (flash attention, its causal diagonal aligned to the chunk's
-    end). v is zero-padded to the q/k width so the flash kernel applies. Returns [Tq, H, d_v].
+    The cached rows of all sequences are gathered in one indexing op and up-projected by one GEMM. A
+    fresh prompt (query_len == context_len) is one causal SDPA call (cuDNN's flash kernel on the H200); v
+    is zero-padded to the q/k width so the flash kernels apply. A chunk over a cached context is split
+    (`attention_split`): its queries over the cached keys unmasked and over its own keys causally, two
+    cuDNN calls merged by log-sum-exp, since SDPA serves the lower-right causal bias of one call only
+    through FlashAttention-2 at about half cuDNN's rate on the H200. Returns [Tq, H, d_v].
     `context_rows`: (page, row) of every cached position (`PrefillRows.context_rows`, built once for every
     layer of a step); without it they are derived from block_tables here.
+    `split`: None = split the chunks of at least SPLIT_MIN_ROWS over at least as many cached rows where
+    cuDNN serves the inputs (`cudnn_split_mode`); False = one lower-right call per chunk; True = split
+    every chunk over a cached context, through the math reference where cuDNN does not serve the inputs
+    (the CPU tests).
     """
     import torch.nn.functional as F
     from torch.nn.attention.bias import causal_lower_right
@@ -439,18 +603,37 @@ def mla_prefill_fast(
     rows = pages[page, layer, row]  # [S, R + d_r]
     kv = (rows[:, :kv_lora_rank].to(kv_b.dtype) @ kv_b.t()).view(total, h, dn + v_head_dim)
     k = torch.cat([kv[..., :dn], rows[:, None, kv_lora_rank:].to(kv.dtype).expand(-1, h, -1)], -1)
-    v = F.pad(kv[..., dn:], (0, k.shape[-1] - v_head_dim))
     q = torch.cat([q_nope, q_rope], -1).to(k.dtype)
+    v_lat = kv[..., dn:]
+    m = SPLIT_MIN_ROWS
+    splits = [split is not False and nq < nc and (split or (nq >= m and nc - nq >= m))
+              for nq, nc in zip(query_lens, context_lens)]
+    mode = cudnn_split_mode(q, k, v_lat) if any(splits) else None
+    attend: AttendLse | None = None if mode is None else cudnn_attention_lse
+    if mode is None and split:
+        mode, attend = "narrow", reference_attention_lse
+    if attend is None:
+        splits = [False] * len(splits)
+    v_split = split_values(v_lat, mode, k.shape[-1]) if any(splits) else None
+    # the narrow split needs no padded copy of v (and does a third fewer P·V products) unless a sequence
+    # takes the one call
+    v_padded = v_split if mode == "padded" else None
+    if not all(splits):
+        v_padded = F.pad(v_lat, (0, k.shape[-1] - v_head_dim)) if v_padded is None else v_padded
     out = torch.empty(q.shape[0], h, v_head_dim, dtype=k.dtype, device=dev)
     q0 = c0 = 0
-    for nq, nc in zip(query_lens, context_lens):
+    for nq, nc, sp in zip(query_lens, context_lens, splits):
         qi = q[q0 : q0 + nq].transpose(0, 1).unsqueeze(0)
         ki = k[c0 : c0 + nc].transpose(0, 1).unsqueeze(0)
-        vi = v[c0 : c0 + nc].transpose(0, 1).unsqueeze(0)
-        # query j sits at position nc - nq + j: the causal diagonal is aligned to the lower right, which
-        # SDPA's flash kernel serves without a mask (a materialized [nq, nc] mask sent a chunk over a long
-        # cached context to the slower masked kernels)
-        oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=causal_lower_right(nq, nc), scale=scale)
-        out[q0 : q0 + nq] = oi[0, :, :, :v_head_dim].transpose(0, 1)
+        if sp:
+            vi = v_split[c0 : c0 + nc].transpose(0, 1).unsqueeze(0)
+            attention_split(qi, ki, vi, scale, attend, v_head_dim, out=out[q0 : q0 + nq].transpose(0, 1).unsqueeze(0))
+        else:
+            vi = v_padded[c0 : c0 + nc].transpose(0, 1).unsqueeze(0)
+            # query j sits at position nc - nq + j: the causal diagonal is aligned to the lower right, which
+            # SDPA serves without a mask (a materialized [nq, nc] mask sent a chunk over a long cached
+            # context to the slower masked kernels); for nq == nc it is the plain causal call
+            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=causal_lower_right(nq, nc), scale=scale)
+            out[q0 : q0 + nq] = oi[0, :, :, :v_head_dim].transpose(0, 1)
         q0, c0 = q0 + nq, c0 + nc
     return out
