@@ -1,12 +1,12 @@
-"""Drafting with the DSpark drafter (reference path, any device): the Markov loop over a block and a
-per-request context cache of the drafter's latent rows.
+"""Drafting with the DSpark drafter (any device): the Markov loop over a block and a per-request context
+cache of the drafter's latent rows.
 
 `DSparkProposer` keeps, for each request, the drafter's rows of every target token it has seen from its
-first computed position on (one [n, rank + dr] tensor per draft layer) and drafts a block for each request from its last accepted
-token. The engine integration replaces these host-side lists by pages (docs/speculative_decoding.md);
-the math stays the one here.
+first computed position on, in a `RowStore` (dspark_rows.py: per-layer buffers written in place, capacity
+doubling), and drafts a block for each request from its last accepted token over the batch's rows padded
+to a width bucket, so the drafter's shapes repeat. The engine integration would replace the stores by
+pages (docs/speculative_decoding.md); the math stays the one here.
 """
-
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -18,6 +18,7 @@ from torch import Tensor
 from hyserve.engine.sampler import _exponential_race
 from hyserve.sampling_params import SAMPLING_EPS
 from hyserve.spec_decode.dspark import DSparkDrafter
+from hyserve.spec_decode.dspark_rows import RowStore, destinations, gather_rows, width_bucket
 
 
 @dataclass
@@ -64,15 +65,24 @@ class DSparkProposer:
         if not 1 <= self.k <= drafter.config.block_size:
             raise ValueError(f"num_speculative_tokens must be in [1, {drafter.config.block_size}] "
                              "(the drafter's block size)")
-        self.rows: dict[str, list[Tensor]] = {}  # request -> per layer [n, rank + dr]
-        # request -> the position of its first row: a prefix-cache hit computes (and taps the target
-        # features of) only the positions after the hit, so the drafter sees the context from there
-        self.first: dict[str, int] = {}
+        # request -> its rows from the position of its first row on: a prefix-cache hit computes (and taps
+        # the target features of) only the positions after the hit, so the drafter sees the context from there
+        self.stores: dict[str, RowStore] = {}
+
+    @property
+    def rows(self) -> dict[str, list[Tensor]]:
+        """request -> per layer [n, rank + dr], views of its store."""
+        return {r: s.views() for r, s in self.stores.items()}
+
+    @property
+    def first(self) -> dict[str, int]:
+        """request -> the position of its first row."""
+        return {r: s.first for r, s in self.stores.items()}
 
     def num_context(self, req_id: str) -> int:
         """The position after the request's last row (its rows start at `first`)."""
-        rows = self.rows.get(req_id)
-        return 0 if rows is None else self.first[req_id] + rows[0].shape[0]
+        store = self.stores.get(req_id)
+        return 0 if store is None else store.first + store.n
 
     @torch.no_grad()
     def add_context(self, req_id: str, features: Tensor, positions: Tensor) -> None:
@@ -80,47 +90,44 @@ class DSparkProposer:
         A request's first rows may start past 0 (after a prefix hit); later ones continue them."""
         if not positions.numel():
             return
-        if req_id in self.rows and int(positions[0]) != self.num_context(req_id):
+        start = int(positions[0])
+        store = self.stores.get(req_id)
+        if store is not None and start != self.num_context(req_id):
             raise ValueError(f"request {req_id}: context rows must arrive in order (next position "
-                             f"{self.num_context(req_id)}, got {int(positions[0])})")
-        new = self.drafter.context_rows(features, positions)
-        old = self.rows.get(req_id)
-        if old is None:
-            self.first[req_id] = int(positions[0])
-        self.rows[req_id] = new if old is None else [torch.cat([a, b]) for a, b in zip(old, new)]
+                             f"{self.num_context(req_id)}, got {start})")
+        if store is None:
+            store = self.stores[req_id] = RowStore(start)
+        store.append(self.drafter.context_rows(features, positions))
 
     def truncate(self, req_id: str, num_tokens: int) -> None:
         """Forget the rows from position num_tokens on (a recomputed or forked request)."""
-        if req_id not in self.rows:
+        store = self.stores.get(req_id)
+        if store is None:
             return
-        keep = num_tokens - self.first[req_id]
-        if keep <= 0:
+        if num_tokens <= store.first:
             self.free(req_id)
         else:
-            self.rows[req_id] = [r[:keep] for r in self.rows[req_id]]
+            store.truncate(num_tokens - store.first)
 
     def free(self, req_id: str) -> None:
-        self.rows.pop(req_id, None)
-        self.first.pop(req_id, None)
+        self.stores.pop(req_id, None)
 
     @torch.no_grad()
     def propose(self, req_ids: Sequence[str], anchors: Tensor, temperatures: Sequence[float] | None = None,
                 generators: Sequence[torch.Generator | None] | None = None) -> DraftBlock:
         """A block for each request from its last accepted token anchors [B], at position `num_context`:
-        the features of every token from the request's first row on must have been added."""
-        lens = [self.rows[r][0].shape[0] if r in self.rows else 0 for r in req_ids]
-        if min(lens, default=1) < 1:
+        the features of every token from the request's first row on must have been added. The context is
+        padded to `width_bucket` of the longest (masked zero rows), so its shapes repeat from step to step."""
+        stores = [self.stores.get(r) for r in req_ids]
+        if any(s is None or s.n < 1 for s in stores):
             raise ValueError("a request needs the target features of at least one token before drafting")
-        width, dev = max(lens), anchors.device
-        ctx = []
-        for layer in range(len(self.drafter.layers)):
-            rows = torch.zeros(len(req_ids), width, self.rows[req_ids[0]][layer].shape[-1], device=dev,
-                               dtype=self.rows[req_ids[0]][layer].dtype)
-            for i, r in enumerate(req_ids):
-                rows[i, : lens[i]] = self.rows[r][layer]
-            ctx.append(rows)
+        lens = [s.n for s in stores]
+        width, dev = width_bucket(max(lens)), anchors.device
+        lens_dev = torch.tensor(lens, device=dev)
+        dest = destinations(lens_dev, width, sum(lens))
+        ctx = [gather_rows(stores, layer, dest, width) for layer in range(len(self.drafter.layers))]
         g = self.drafter.config.block_size
-        visible = (torch.arange(width, device=dev) < torch.tensor(lens, device=dev).unsqueeze(1)).unsqueeze(1)
-        positions = torch.tensor([self.num_context(r) for r in req_ids], device=dev).unsqueeze(1)
+        visible = (torch.arange(width, device=dev) < lens_dev.unsqueeze(1)).unsqueeze(1)
+        positions = torch.tensor([s.first + s.n for s in stores], device=dev).unsqueeze(1)
         hidden = self.drafter.hidden(anchors.unsqueeze(1), positions, ctx, visible.expand(-1, g, -1))
         return draft_block(self.drafter, hidden, anchors, self.k, temperatures, generators)

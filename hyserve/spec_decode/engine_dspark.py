@@ -63,7 +63,7 @@ class DSparkDecoder(SpecDecoder):
     def _add(self, req: Request, rows: torch.Tensor, start: int) -> None:
         proposer, rid = self.proposer, req.request_id
         proposer.truncate(rid, start)  # a preempted request computes again from 0 or from a prefix hit
-        if rid in proposer.rows and proposer.num_context(rid) != start:  # a hit past its rows: start there
+        if rid in proposer.stores and proposer.num_context(rid) != start:  # a hit past its rows: start there
             proposer.free(rid)
         pos = torch.arange(start, start + rows.shape[0], device=rows.device)
         proposer.add_context(rid, rows, pos)
@@ -122,7 +122,7 @@ class DSparkDecoder(SpecDecoder):
     def forget(self, running: Sequence[Request]) -> None:
         """Drop the rows of requests that left (finished or aborted)."""
         keep = {r.request_id for r in running}
-        for rid in [r for r in self.proposer.rows if r not in keep]:
+        for rid in [r for r in self.proposer.stores if r not in keep]:
             self.proposer.free(rid)
             self.probs.pop(rid, None)
 
