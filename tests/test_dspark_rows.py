@@ -103,3 +103,47 @@ def test_the_proposer_keeps_one_store_per_request_across_appends(target, drafter
     alone = drafter.context_rows(feats, torch.arange(20))
     for got, want in zip(proposer.rows["r"], alone):
         torch.testing.assert_close(got, want)  # row-count-dependent GEMM rounding only
+
+
+def test_rows_queued_for_several_requests_are_computed_in_one_drafter_call(target, drafter, monkeypatch):
+    proposer, calls = DSparkProposer(drafter, 2), []
+    original = drafter.context_rows
+    monkeypatch.setattr(drafter, "context_rows", lambda f, p: calls.append(p.tolist()) or original(f, p))
+    feats = features_of(target, list(range(3, 13)), drafter.config.target_layer_ids)
+    proposer.add_context("a", feats[:4], torch.arange(4))
+    proposer.add_context("b", feats[:6], torch.arange(2, 8))
+    assert proposer.num_context("a") == 4 and proposer.num_context("b") == 8 and not calls
+    proposer.flush()
+    assert calls == [[0, 1, 2, 3, 2, 3, 4, 5, 6, 7]]
+    for rid, n, first in (("a", 4, 0), ("b", 6, 2)):
+        want = original(feats[:n], torch.arange(first, first + n))
+        for got, w in zip(proposer.rows[rid], want):
+            torch.testing.assert_close(got, w)
+
+
+def test_context_positions_must_be_consecutive(target, drafter):
+    proposer = DSparkProposer(drafter, 2)
+    feats = features_of(target, [3, 4, 5], drafter.config.target_layer_ids)
+    with pytest.raises(ValueError, match="consecutive"):
+        proposer.add_context("r", feats, torch.tensor([0, 1, 3]))
+
+
+def test_a_freed_request_leaves_no_queued_rows(target, drafter):
+    proposer = DSparkProposer(drafter, 2)
+    feats = features_of(target, [3, 4, 5], drafter.config.target_layer_ids)
+    proposer.add_context("r", feats, torch.arange(3))
+    proposer.free("r")
+    proposer.add_context("r", feats[:1], torch.tensor([7]))  # a new start after a prefix hit
+    assert proposer.num_context("r") == 8 and proposer.rows["r"][0].shape[0] == 1
+
+
+def test_greedy_drafts_carry_no_distributions_and_follow_the_argmax_chain(drafter):
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(3, drafter.config.block_size, drafter.config.hidden_size, generator=g)
+    anchors = torch.tensor([5, 9, 11])
+    block = draft_block(drafter, hidden, anchors, 4)
+    assert block.probs is None
+    prev = anchors
+    for j in range(4):
+        prev = (drafter.base_logits(hidden[:, j]) + drafter.markov_bias(prev)).argmax(-1)
+        assert torch.equal(block.token_ids[:, j], prev)
