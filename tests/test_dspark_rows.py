@@ -15,19 +15,28 @@ from hyserve.train.trainer import k3_config, new_model
 VOCAB = 64
 
 
-@pytest.fixture(scope="module")
-def target():
+def toy_target():
     raw = k3_config("toy", VOCAB, 0, [1], 2, max_len=1024)
     return new_model(raw, "cpu", seed=0).eval().requires_grad_(False)
 
 
-@pytest.fixture(scope="module")
-def drafter(target):
+def toy_drafter(target):
+    """Two draft layers (the row buffers are per layer), a Markov bias and confidence that are not zero."""
     d = new_drafter(target, DrafterTrainConfig(block_size=4, num_layers=2, layer_ids=[0, 2]), seed=1)
-    with torch.no_grad():  # a Markov bias and confidence that are not zero, so the tests see them
+    with torch.no_grad():
         d.markov_out.weight.normal_(0, 0.5)
         d.confidence.weight.normal_(0, 0.5)
     return d.eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return toy_target()
+
+
+@pytest.fixture(scope="module")
+def drafter(target):
+    return toy_drafter(target)
 
 
 def unpadded(drafter, rows: list[torch.Tensor], first: int, anchor: int, k: int):

@@ -4,14 +4,16 @@ cache of the drafter's latent rows.
 `DSparkProposer` keeps, for each request, the drafter's rows of every target token it has seen from its
 first computed position on, in a `RowStore` (dspark_rows.py: per-layer buffers written in place, capacity
 doubling), and drafts a block for each request from its last accepted token over the batch's rows padded
-to a width bucket, so the drafter's shapes repeat. The engine integration would replace the stores by
-pages (docs/speculative_decoding.md); the math stays the one here.
+to a width bucket, so the drafter's shapes repeat; greedy blocks go through `DSparkGraphs` where the
+engine made them (dspark_graphs.py), everything else runs here. The engine integration would replace the
+stores by pages (docs/speculative_decoding.md); the math stays the one here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -20,6 +22,9 @@ from hyserve.engine.sampler import _exponential_race
 from hyserve.sampling_params import SAMPLING_EPS
 from hyserve.spec_decode.dspark import DSparkDrafter
 from hyserve.spec_decode.dspark_rows import RowStore, destinations, gather_rows, host_to_device, width_bucket
+
+if TYPE_CHECKING:
+    from hyserve.spec_decode.dspark_graphs import DSparkGraphs
 
 
 @dataclass
@@ -42,14 +47,14 @@ def draft_block(drafter: DSparkDrafter, hidden: Tensor, anchors: Tensor, num_dra
     if sampled:
         tokens, probs = _sampled_loop(drafter, base, anchors, temps, sampled, generators)
     else:  # nothing reads the one-hot rows of greedy drafts (rejection sampling takes None as one-hot)
-        tokens, probs = _greedy_loop(drafter, base, anchors), None
+        tokens, probs = greedy_loop(drafter, base, anchors), None
     # confidence j reads h_j and the token before draft j: all of them are known once the loop ends
     prev = torch.cat([anchors.unsqueeze(1), tokens[:, :-1]], 1)
     conf = torch.sigmoid(drafter.confidence_logits(hidden[:, :num_drafts], prev))
     return DraftBlock(tokens, probs, conf)
 
 
-def _greedy_loop(drafter: DSparkDrafter, base: Tensor, anchors: Tensor) -> Tensor:
+def greedy_loop(drafter: DSparkDrafter, base: Tensor, anchors: Tensor) -> Tensor:
     """[B, k] argmax drafts; nothing in it reads back to the host."""
     prev, tokens = anchors, []
     for j in range(base.shape[1]):
@@ -91,6 +96,7 @@ class DSparkProposer:
         self.stores: dict[str, RowStore] = {}
         self._queued: list[tuple[RowStore, Tensor, int]] = []  # (store, features, first position)
         self._ends: dict[str, int] = {}  # request -> the position after its last row, queued ones included
+        self.graphs: DSparkGraphs | None = None  # the greedy step's static buffers (and graphs), if the engine made them
 
     @property
     def rows(self) -> dict[str, list[Tensor]]:
@@ -173,6 +179,10 @@ class DSparkProposer:
         if any(s is None or s.n < 1 for s in stores):
             raise ValueError("a request needs the target features of at least one token before drafting")
         lens = [s.n for s in stores]
+        greedy = temperatures is None or all(t < SAMPLING_EPS for t in temperatures)
+        key = self.graphs.key_for(len(stores), max(lens)) if self.graphs is not None and greedy else None
+        if key is not None:
+            return self.graphs.draft(stores, anchors, key)
         dev = self.drafter.fc.weight.device
         host = [lens, [s.first + s.n for s in stores]]
         on_host = anchors.device.type == "cpu"

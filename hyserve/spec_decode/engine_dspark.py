@@ -9,8 +9,9 @@ after rejection sampling. The rows a step adds are computed in one drafter call 
 (`DSparkProposer.flush`, before the next forward can overwrite a graph's feature buffer). A request drafts
 once the rows of every token before its last one exist; the step's drafting needs one host-to-device
 copy (lengths, positions, anchors) and one read-back (the drafts, with the verified counts under a
-confidence threshold). The drafter's forward and its Markov loop run eagerly; paged drafter rows and a
-graph of the drafter are still to come. A prefix hit skips the target features of its cached tokens: such a request drafts from the
+confidence threshold). With CUDA graphs on, `capture_graphs` gives the proposer `DSparkGraphs`, and
+greedy blocks replay them; sampled blocks and the rows' drafter call run eagerly; paged drafter rows are
+still to come. A prefix hit skips the target features of its cached tokens: such a request drafts from the
 context computed after the hit (fewer drafts accepted on long shared prefixes, the same output).
 """
 
@@ -21,8 +22,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hyserve.engine.cuda_graphs import MAX_VERIFY_SEQS, graph_batch_sizes
 from hyserve.spec_decode.confidence import threshold_lengths
 from hyserve.spec_decode.config import SpeculativeConfig
+from hyserve.spec_decode.dspark_graphs import DSparkGraphs, width_ladder
 from hyserve.spec_decode.dspark_io import load_drafter
 from hyserve.spec_decode.dspark_propose import DSparkProposer
 from hyserve.spec_decode.engine_step import SpecDecoder
@@ -43,7 +46,7 @@ class DSparkDecoder(SpecDecoder):
             feature_modules(model, drafter.config.target_layer_ids)
         except NotImplementedError as e:
             raise ValueError(f"speculative method 'dspark' needs a K3 target: {e}") from None
-        self.model = model
+        self.model, self.max_model_len = model, max_model_len
         self.feature_layers = list(drafter.config.target_layer_ids)  # every step's forward returns them
         self.proposer = DSparkProposer(drafter, spec.num_speculative_tokens)
         self.probs: dict[str, torch.Tensor] = {}  # request -> [k, V] the distributions of its drafts
@@ -63,6 +66,15 @@ class DSparkDecoder(SpecDecoder):
                 self._add(s.req, rows, s.start)
         self.proposer.flush()  # before the next forward overwrites a graph's feature buffer
         return logits
+
+    def capture_graphs(self, max_batch: int) -> None:
+        """Greedy drafting through `DSparkGraphs`: batch sizes up to the largest batch that still speculates
+        (and MAX_VERIFY_SEQS, the verify graphs' bound), widths up to max_model_len's bucket."""
+        cap = min(max_batch, MAX_VERIFY_SEQS, (self.config.disable_by_batch_size or max_batch + 1) - 1)
+        graphs = DSparkGraphs(self.proposer.drafter, self.proposer.k, graph_batch_sizes(cap),
+                              width_ladder(self.max_model_len))
+        graphs.capture()
+        self.proposer.graphs = graphs
 
     def _add(self, req: Request, rows: torch.Tensor, start: int) -> None:
         proposer, rid = self.proposer, req.request_id
