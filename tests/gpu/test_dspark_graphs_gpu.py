@@ -54,7 +54,7 @@ def test_the_eager_drafting_step_does_not_wait_for_the_device(cuda_pair):
     copy, a read of a device value) raises under the sync debug mode."""
     target, drafter = cuda_pair
     proposer, anchors = filled(target, drafter, [50, 7], seed=3)
-    proposer.flush()
+    proposer.propose(["r0", "r1"], anchors)  # the first step builds what is built once (rope tables, kernels)
     feats = features_of(target, list(range(3, 9)), drafter.config.target_layer_ids)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
