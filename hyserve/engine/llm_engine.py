@@ -190,6 +190,8 @@ class LLMEngine:
             sizes = segment_graph_sizes(self.cfg.max_num_batched_tokens)
             if sizes and not split and not features and segment_graphs.supports(self.model):  # taps: no replay
                 segments = segment_graphs.SegmentGraphs(self.model, sizes).capture()
+            if self.spec is not None and not split:
+                self.spec.capture_graphs(max_batch)
             self.startup.lap("graph capture")
         if split:
             return RankRunner(self.model, self.kv, graphs)

@@ -1,16 +1,19 @@
-"""Drafting with the DSpark drafter (reference path, any device): the Markov loop over a block and a
-per-request context cache of the drafter's latent rows.
+"""Drafting with the DSpark drafter (any device): the Markov loop over a block and a per-request context
+cache of the drafter's latent rows.
 
 `DSparkProposer` keeps, for each request, the drafter's rows of every target token it has seen from its
-first computed position on (one [n, rank + dr] tensor per draft layer) and drafts a block for each request from its last accepted
-token. The engine integration replaces these host-side lists by pages (docs/speculative_decoding.md);
-the math stays the one here.
+first computed position on, in a `RowStore` (dspark_rows.py: per-layer buffers written in place, capacity
+doubling), and drafts a block for each request from its last accepted token over the batch's rows padded
+to a width bucket, so the drafter's shapes repeat; greedy blocks go through `DSparkGraphs` where the
+engine made them (dspark_graphs.py), everything else runs here. The engine integration would replace the
+stores by pages (docs/speculative_decoding.md); the math stays the one here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -18,6 +21,10 @@ from torch import Tensor
 from hyserve.engine.sampler import _exponential_race
 from hyserve.sampling_params import SAMPLING_EPS
 from hyserve.spec_decode.dspark import DSparkDrafter
+from hyserve.spec_decode.dspark_rows import RowStore, destinations, gather_rows, host_to_device, width_bucket
+
+if TYPE_CHECKING:
+    from hyserve.spec_decode.dspark_graphs import DSparkGraphs
 
 
 @dataclass
@@ -34,27 +41,47 @@ def draft_block(drafter: DSparkDrafter, hidden: Tensor, anchors: Tensor, num_dra
     """Drafts 0..num_drafts-1 from block hidden states [B, γ, D]: for each position add the Markov bias
     of the token before (the anchor first) to the base logits, then draw (argmax for greedy rows,
     softmax at the request's temperature otherwise). temperatures None: every row greedy."""
-    b = hidden.shape[0]
-    base = drafter.base_logits(hidden[:, :num_drafts])
-    temps = [0.0] * b if temperatures is None else list(temperatures)
+    temps = [0.0] * hidden.shape[0] if temperatures is None else list(temperatures)
     sampled = [i for i, t in enumerate(temps) if t >= SAMPLING_EPS]
-    t_rows = torch.tensor([max(t, SAMPLING_EPS) for t in temps], device=hidden.device).unsqueeze(1)
-    gens = {i: g for i, g in enumerate(generators or []) if g is not None and i in sampled}
-    prev, tokens, probs, conf = anchors, [], [], []
-    for j in range(num_drafts):
-        conf.append(torch.sigmoid(drafter.confidence_logits(hidden[:, j], prev)))
+    base = drafter.base_logits(hidden[:, :num_drafts])
+    if sampled:
+        tokens, probs = _sampled_loop(drafter, base, anchors, temps, sampled, generators)
+    else:  # nothing reads the one-hot rows of greedy drafts (rejection sampling takes None as one-hot)
+        tokens, probs = greedy_loop(drafter, base, anchors), None
+    # confidence j reads h_j and the token before draft j: all of them are known once the loop ends
+    prev = torch.cat([anchors.unsqueeze(1), tokens[:, :-1]], 1)
+    conf = torch.sigmoid(drafter.confidence_logits(hidden[:, :num_drafts], prev))
+    return DraftBlock(tokens, probs, conf)
+
+
+def greedy_loop(drafter: DSparkDrafter, base: Tensor, anchors: Tensor) -> Tensor:
+    """[B, k] argmax drafts; nothing in it reads back to the host."""
+    prev, tokens = anchors, []
+    for j in range(base.shape[1]):
+        prev = (base[:, j] + drafter.markov_bias(prev)).argmax(dim=-1)
+        tokens.append(prev)
+    return torch.stack(tokens, 1)
+
+
+def _sampled_loop(drafter: DSparkDrafter, base: Tensor, anchors: Tensor, temps: list[float], sampled: list[int],
+                  generators: Sequence[torch.Generator | None] | None) -> tuple[Tensor, Tensor]:
+    """([B, k] drafts, [B, k, V] the distribution each was drawn from: one-hot for the greedy rows)."""
+    pick = torch.tensor(sampled, device=base.device)
+    t_rows = torch.tensor([max(temps[i], SAMPLING_EPS) for i in sampled], device=base.device).unsqueeze(1)
+    gens = {n: generators[i] for n, i in enumerate(sampled)
+            if generators and i < len(generators) and generators[i] is not None}
+    prev, tokens, probs = anchors, [], []
+    for j in range(base.shape[1]):
         logits = base[:, j] + drafter.markov_bias(prev)
         token = logits.argmax(dim=-1)
         q = torch.nn.functional.one_hot(token, logits.shape[-1]).float()
-        if sampled:
-            pick = torch.tensor(sampled, device=hidden.device)
-            q_s = (logits[pick] / t_rows[pick]).softmax(dim=-1)
-            token[pick] = _exponential_race(q_s, {n: gens[i] for n, i in enumerate(sampled) if i in gens})
-            q[pick] = q_s
+        q_s = (logits[pick] / t_rows).softmax(dim=-1)
+        token[pick] = _exponential_race(q_s, gens)
+        q[pick] = q_s
         tokens.append(token)
         probs.append(q)
         prev = token
-    return DraftBlock(torch.stack(tokens, 1), torch.stack(probs, 1) if sampled else None, torch.stack(conf, 1))
+    return torch.stack(tokens, 1), torch.stack(probs, 1)
 
 
 class DSparkProposer:
@@ -64,63 +91,110 @@ class DSparkProposer:
         if not 1 <= self.k <= drafter.config.block_size:
             raise ValueError(f"num_speculative_tokens must be in [1, {drafter.config.block_size}] "
                              "(the drafter's block size)")
-        self.rows: dict[str, list[Tensor]] = {}  # request -> per layer [n, rank + dr]
-        # request -> the position of its first row: a prefix-cache hit computes (and taps the target
-        # features of) only the positions after the hit, so the drafter sees the context from there
-        self.first: dict[str, int] = {}
+        # request -> its rows from the position of its first row on: a prefix-cache hit computes (and taps
+        # the target features of) only the positions after the hit, so the drafter sees the context from there
+        self.stores: dict[str, RowStore] = {}
+        self._queued: list[tuple[RowStore, Tensor, int]] = []  # (store, features, first position)
+        self._ends: dict[str, int] = {}  # request -> the position after its last row, queued ones included
+        self.graphs: DSparkGraphs | None = None  # the greedy step's static buffers (and graphs), if the engine made them
+
+    @property
+    def rows(self) -> dict[str, list[Tensor]]:
+        """request -> per layer [n, rank + dr], views of its store."""
+        self.flush()
+        return {r: s.views() for r, s in self.stores.items()}
+
+    @property
+    def first(self) -> dict[str, int]:
+        """request -> the position of its first row."""
+        return {r: s.first for r, s in self.stores.items()}
 
     def num_context(self, req_id: str) -> int:
         """The position after the request's last row (its rows start at `first`)."""
-        rows = self.rows.get(req_id)
-        return 0 if rows is None else self.first[req_id] + rows[0].shape[0]
+        return self._ends.get(req_id, 0)
+
+    def add_context(self, req_id: str, features: Tensor, positions: Tensor) -> None:
+        """Target features [n, m*D] of the request's next n tokens (accepted tokens only) at positions [n],
+        consecutive. A request's first rows may start past 0 (after a prefix hit); later ones continue
+        them. The rows are computed at the next `flush` (or anything that reads them), for every request
+        queued since in one drafter call; `features` must stay unchanged until then. Positions on the host
+        cost no read-back."""
+        n = positions.numel()
+        if not n:
+            return
+        start, last = positions[[0, -1]].tolist()
+        store = self.stores.get(req_id)
+        if store is not None and start != self.num_context(req_id):
+            raise ValueError(f"request {req_id}: context rows must arrive in order (next position "
+                             f"{self.num_context(req_id)}, got {start})")
+        if last != start + n - 1:
+            raise ValueError(f"request {req_id}: context positions must be consecutive")
+        if store is None:
+            store = self.stores[req_id] = RowStore(start)
+        self._queued.append((store, features, start))
+        self._ends[req_id] = start + n
 
     @torch.no_grad()
-    def add_context(self, req_id: str, features: Tensor, positions: Tensor) -> None:
-        """Target features [n, m*D] of the request's next n tokens (accepted tokens only) at positions [n].
-        A request's first rows may start past 0 (after a prefix hit); later ones continue them."""
-        if not positions.numel():
+    def flush(self) -> None:
+        """Compute the queued rows: one drafter call over the features of every request queued (a call per
+        request launched ~40 kernels each), their positions in one host-to-device copy."""
+        if not self._queued:
             return
-        if req_id in self.rows and int(positions[0]) != self.num_context(req_id):
-            raise ValueError(f"request {req_id}: context rows must arrive in order (next position "
-                             f"{self.num_context(req_id)}, got {int(positions[0])})")
-        new = self.drafter.context_rows(features, positions)
-        old = self.rows.get(req_id)
-        if old is None:
-            self.first[req_id] = int(positions[0])
-        self.rows[req_id] = new if old is None else [torch.cat([a, b]) for a, b in zip(old, new)]
+        queued, self._queued = self._queued, []
+        feats = torch.cat([f for _, f, _ in queued]) if len(queued) > 1 else queued[0][1]
+        pos = torch.cat([torch.arange(p, p + f.shape[0]) for _, f, p in queued])
+        rows = self.drafter.context_rows(feats, host_to_device(pos, feats.device))
+        at = 0
+        for store, f, _ in queued:
+            store.append([r[at : at + f.shape[0]] for r in rows])
+            at += f.shape[0]
 
     def truncate(self, req_id: str, num_tokens: int) -> None:
         """Forget the rows from position num_tokens on (a recomputed or forked request)."""
-        if req_id not in self.rows:
+        store = self.stores.get(req_id)
+        if store is None or num_tokens >= self._ends[req_id]:
             return
-        keep = num_tokens - self.first[req_id]
-        if keep <= 0:
+        self.flush()
+        if num_tokens <= store.first:
             self.free(req_id)
         else:
-            self.rows[req_id] = [r[:keep] for r in self.rows[req_id]]
+            store.truncate(num_tokens - store.first)
+            self._ends[req_id] = num_tokens
 
     def free(self, req_id: str) -> None:
-        self.rows.pop(req_id, None)
-        self.first.pop(req_id, None)
+        store = self.stores.pop(req_id, None)
+        self._ends.pop(req_id, None)
+        if store is not None:
+            self._queued = [q for q in self._queued if q[0] is not store]
 
     @torch.no_grad()
     def propose(self, req_ids: Sequence[str], anchors: Tensor, temperatures: Sequence[float] | None = None,
                 generators: Sequence[torch.Generator | None] | None = None) -> DraftBlock:
-        """A block for each request from its last accepted token anchors [B], at position `num_context`:
-        the features of every token from the request's first row on must have been added."""
-        lens = [self.rows[r][0].shape[0] if r in self.rows else 0 for r in req_ids]
-        if min(lens, default=1) < 1:
+        """A block for each request from its last accepted token anchors [B] (on the host or the device),
+        at position `num_context`: the features of every token from the request's first row on must have
+        been added. The context is padded to `width_bucket` of the longest (masked zero rows), so its
+        shapes repeat from step to step; the step's lengths, positions and host anchors travel in one copy."""
+        self.flush()
+        stores = [self.stores.get(r) for r in req_ids]
+        if any(s is None or s.n < 1 for s in stores):
             raise ValueError("a request needs the target features of at least one token before drafting")
-        width, dev = max(lens), anchors.device
-        ctx = []
-        for layer in range(len(self.drafter.layers)):
-            rows = torch.zeros(len(req_ids), width, self.rows[req_ids[0]][layer].shape[-1], device=dev,
-                               dtype=self.rows[req_ids[0]][layer].dtype)
-            for i, r in enumerate(req_ids):
-                rows[i, : lens[i]] = self.rows[r][layer]
-            ctx.append(rows)
+        lens = [s.n for s in stores]
+        greedy = temperatures is None or all(t < SAMPLING_EPS for t in temperatures)
+        key = self.graphs.key_for(len(stores), max(lens)) if self.graphs is not None and greedy else None
+        if key is not None:
+            return self.graphs.draft(stores, anchors, key)
+        dev = self.drafter.fc.weight.device
+        host = [lens, [s.first + s.n for s in stores]]
+        on_host = anchors.device.type == "cpu"
+        if on_host:
+            host.append(anchors.tolist())
+        meta = host_to_device(torch.tensor(host, dtype=torch.long), dev)
+        lens_dev, positions = meta[0], meta[1]
+        anchors = meta[2] if on_host else anchors
+        width = width_bucket(max(lens))
+        dest = destinations(lens_dev, width, sum(lens))
+        ctx = [gather_rows(stores, layer, dest, width) for layer in range(len(self.drafter.layers))]
         g = self.drafter.config.block_size
-        visible = (torch.arange(width, device=dev) < torch.tensor(lens, device=dev).unsqueeze(1)).unsqueeze(1)
-        positions = torch.tensor([self.num_context(r) for r in req_ids], device=dev).unsqueeze(1)
-        hidden = self.drafter.hidden(anchors.unsqueeze(1), positions, ctx, visible.expand(-1, g, -1))
+        visible = (torch.arange(width, device=dev) < lens_dev.unsqueeze(1)).unsqueeze(1)
+        hidden = self.drafter.hidden(anchors.unsqueeze(1), positions.unsqueeze(1), ctx, visible.expand(-1, g, -1))
         return draft_block(self.drafter, hidden, anchors, self.k, temperatures, generators)

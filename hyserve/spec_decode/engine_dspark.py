@@ -5,8 +5,12 @@ drafter's target layers, and the CUDA graphs copy the same taps into a static bu
 dspark runs with graphs, verify graphs included. The drafter's context rows of a request are kept by
 `DSparkProposer` (per request) and extended with the rows of computed positions only: a prefill chunk or
 plain decode adds all of its positions at once, a verify step only the positions of its accepted drafts,
-after rejection sampling. A request drafts once the rows of every token before its last one exist. The
-drafter's forward and its Markov loop run eagerly; paged drafter rows and a graph of the drafter are
+after rejection sampling. The rows a step adds are computed in one drafter call for all its requests
+(`DSparkProposer.flush`, before the next forward can overwrite a graph's feature buffer). A request drafts
+once the rows of every token before its last one exist; the step's drafting needs one host-to-device
+copy (lengths, positions, anchors) and one read-back (the drafts, with the verified counts under a
+confidence threshold). With CUDA graphs on, `capture_graphs` gives the proposer `DSparkGraphs`, and
+greedy blocks replay them; sampled blocks and the rows' drafter call run eagerly; paged drafter rows are
 still to come. A prefix hit skips the target features of its cached tokens: such a request drafts from the
 context computed after the hit (fewer drafts accepted on long shared prefixes, the same output).
 """
@@ -18,8 +22,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hyserve.engine.cuda_graphs import MAX_VERIFY_SEQS, graph_batch_sizes
 from hyserve.spec_decode.confidence import threshold_lengths
 from hyserve.spec_decode.config import SpeculativeConfig
+from hyserve.spec_decode.dspark_graphs import DSparkGraphs, width_ladder
 from hyserve.spec_decode.dspark_io import load_drafter
 from hyserve.spec_decode.dspark_propose import DSparkProposer
 from hyserve.spec_decode.engine_step import SpecDecoder
@@ -40,7 +46,7 @@ class DSparkDecoder(SpecDecoder):
             feature_modules(model, drafter.config.target_layer_ids)
         except NotImplementedError as e:
             raise ValueError(f"speculative method 'dspark' needs a K3 target: {e}") from None
-        self.model = model
+        self.model, self.max_model_len = model, max_model_len
         self.feature_layers = list(drafter.config.target_layer_ids)  # every step's forward returns them
         self.proposer = DSparkProposer(drafter, spec.num_speculative_tokens)
         self.probs: dict[str, torch.Tensor] = {}  # request -> [k, V] the distributions of its drafts
@@ -58,15 +64,25 @@ class DSparkDecoder(SpecDecoder):
                 self._verify_rows[s.req] = (rows.clone(), s.start)
             else:
                 self._add(s.req, rows, s.start)
+        self.proposer.flush()  # before the next forward overwrites a graph's feature buffer
         return logits
+
+    def capture_graphs(self, max_batch: int) -> None:
+        """Greedy drafting through `DSparkGraphs`: batch sizes up to the largest batch that still speculates
+        (and MAX_VERIFY_SEQS, the verify graphs' bound), widths up to max_model_len's bucket."""
+        cap = min(max_batch, MAX_VERIFY_SEQS, (self.config.disable_by_batch_size or max_batch + 1) - 1)
+        graphs = DSparkGraphs(self.proposer.drafter, self.proposer.k, graph_batch_sizes(cap),
+                              width_ladder(self.max_model_len))
+        graphs.capture()
+        self.proposer.graphs = graphs
 
     def _add(self, req: Request, rows: torch.Tensor, start: int) -> None:
         proposer, rid = self.proposer, req.request_id
         proposer.truncate(rid, start)  # a preempted request computes again from 0 or from a prefix hit
-        if rid in proposer.rows and proposer.num_context(rid) != start:  # a hit past its rows: start there
+        if rid in proposer.stores and proposer.num_context(rid) != start:  # a hit past its rows: start there
             proposer.free(rid)
-        pos = torch.arange(start, start + rows.shape[0], device=rows.device)
-        proposer.add_context(rid, rows, pos)
+        # on the host: the proposer reads the first position without a device round trip
+        proposer.add_context(rid, rows, torch.arange(start, start + rows.shape[0]))
 
     def after_verify(self, seqs: Sequence[ScheduledSeq]) -> None:
         """The accepted positions' rows join the context before drafting, so the request drafts again at once."""
@@ -89,19 +105,22 @@ class DSparkDecoder(SpecDecoder):
                 self.proposer.free(r.request_id)
         if not live or not self.scheduler.speculating():  # under load the drafter's forward is saved too
             return
-        anchors = torch.tensor([r.output_token_ids[-1] for r in live], device=self.model.lm_head.weight.device)
+        anchors = torch.tensor([r.output_token_ids[-1] for r in live])  # travels with the step's other inputs
         probabilistic = self.config.draft_sample_method == "probabilistic"
         temps = [0.0 if r.params.is_greedy else r.params.temperature for r in live] if probabilistic else None
         block = self.proposer.propose([r.request_id for r in live], anchors, temps, [r.generator for r in live])
-        room = [self.proposer.k] * len(live)
+        out = block.token_ids
         if self.config.confidence_threshold is not None:
             # the verified prefix ends where the predicted survival falls below the threshold; confidence j
             # reads h_j and draft j-1, never draft j, so the cut is a stopping rule and the output stays exact
-            room = threshold_lengths(block.confidence, self.config.confidence_threshold).tolist()
-        drafts = block.token_ids.tolist()  # one read-back for the batch
+            room = threshold_lengths(block.confidence, self.config.confidence_threshold)
+            out = torch.cat([out, room.to(out.dtype).unsqueeze(1)], 1)
+        rows = out.tolist()  # one read-back for the batch: the drafts, then the verified count if cut
+        k = self.proposer.k
         for i, r in enumerate(live):
-            n = max(0, min(room[i], self.proposer.drafter.config.max_position_embeddings - r.num_tokens))
-            r.spec_token_ids = drafts[i][:n]
+            room = rows[i][k] if len(rows[i]) > k else k
+            n = max(0, min(room, self.proposer.drafter.config.max_position_embeddings - r.num_tokens))
+            r.spec_token_ids = rows[i][:n]
             if block.probs is not None:
                 self.probs[r.request_id] = block.probs[i, :n]
 
@@ -122,7 +141,7 @@ class DSparkDecoder(SpecDecoder):
     def forget(self, running: Sequence[Request]) -> None:
         """Drop the rows of requests that left (finished or aborted)."""
         keep = {r.request_id for r in running}
-        for rid in [r for r in self.proposer.rows if r not in keep]:
+        for rid in [r for r in self.proposer.stores if r not in keep]:
             self.proposer.free(rid)
             self.probs.pop(rid, None)
 

@@ -88,6 +88,10 @@ class SpecDecoder:
         """The step's forward (a drafter that reads the target's features taps it)."""
         return runner.execute(out, pending)
 
+    def capture_graphs(self, max_batch: int) -> None:
+        """The engine runs with CUDA graphs (or their static buffers): a drafter with a forward of its own
+        builds its graphs here, after the target's. n-gram drafting has none."""
+
     def land(self, seqs: Sequence[ScheduledSeq], res: RejectionOutput, now: float, engine: LLMEngine) -> None:
         """Append each request's emitted tokens with stop checks token by token (a stop among them drops the
         rest), move its state column and computed count to the accepted drafts, then finish it if it stopped."""

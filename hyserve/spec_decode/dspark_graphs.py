@@ -1,0 +1,135 @@
+"""CUDA graphs of the DSpark drafter's greedy drafting step (docs/speculative_decoding.md §2).
+
+An eager greedy block launches about 30 kernels per draft layer and 4 per draft position, and at the tiny
+target's sizes the host takes longer to launch them than the GPU to run them. The forward depends only on
+the batch size and the context width, so one graph per (batch-size bucket, width bucket) replays
+`greedy_block`: the drafter's hidden states over the context rows, then per position base logits + the
+Markov bias of the token before and argmax, then the confidences.
+
+Static inputs: `meta` [3, B] (context lengths, anchor positions, anchors: one non-blocking copy of a
+pinned host tensor per step) and per draft layer a [B * W, rank + dr] row buffer that each step's rows
+are gathered into (one cat and one index_copy per layer, before the replay). Rows past a request's length
+are whatever an earlier step left there, finite (the buffers start at zero): the visibility mask, made
+from the lengths inside the graph, hides them, and a masked key adds exactly 0. Padding requests have
+length 0 and anchor 0: their queries see only their own block, and their drafts are dropped.
+
+Sampled drafting (temperature > 0) runs eagerly (`dspark_propose.draft_block`). On the CPU nothing is
+captured: `draft` runs `greedy_block` over the same static buffers, which lets CPU tests check everything
+but the replay.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import Tensor
+
+from hyserve.models.segment_graphs import capture_graph
+from hyserve.spec_decode.dspark import DSparkDrafter
+from hyserve.spec_decode.dspark_propose import DraftBlock, greedy_loop
+from hyserve.spec_decode.dspark_rows import MIN_WIDTH, RowStore, destinations, host_to_device, width_bucket
+
+log = logging.getLogger(__name__)
+
+
+def greedy_block(drafter: DSparkDrafter, meta: Tensor, ctx: list[Tensor], k: int) -> tuple[Tensor, Tensor]:
+    """([B, k] greedy drafts, [B, k] confidences) of a batch: meta [3, B] (context lengths, anchor
+    positions, anchors), ctx per draft layer [B, W, rank + dr] (rows :length of each request visible).
+    Nothing in it reads back to the host, so it can be captured."""
+    lens, positions, anchors = meta[0], meta[1], meta[2]
+    width, g = ctx[0].shape[1], drafter.config.block_size
+    visible = (torch.arange(width, device=meta.device) < lens.unsqueeze(1)).unsqueeze(1).expand(-1, g, -1)
+    hidden = drafter.hidden(anchors.unsqueeze(1), positions.unsqueeze(1), ctx, visible)
+    tokens = greedy_loop(drafter, drafter.base_logits(hidden[:, :k]), anchors)
+    prev = torch.cat([anchors.unsqueeze(1), tokens[:, :-1]], 1)
+    return tokens, torch.sigmoid(drafter.confidence_logits(hidden[:, :k], prev))
+
+
+def width_ladder(max_rows: int) -> list[int]:
+    """Every width bucket a context of at most max_rows rows can take."""
+    top, w, out = width_bucket(max_rows), MIN_WIDTH, []
+    while w <= top:
+        out.append(w)
+        w *= 2
+    return out
+
+
+class DSparkGraphs:
+    """Static buffers for every (batch size, width) of `batch_sizes` x `widths`, and on CUDA after
+    `capture` their graphs."""
+
+    def __init__(self, drafter: DSparkDrafter, k: int, batch_sizes: list[int], widths: list[int]):
+        self.drafter, self.k = drafter, k
+        self.batch_sizes, self.widths = sorted(batch_sizes), sorted(widths)
+        dev, dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
+        b, w = self.batch_sizes[-1], self.widths[-1]
+        row = drafter.config.kv_lora_rank + drafter.config.qk_rope_head_dim
+        with torch.no_grad():
+            self.meta = torch.zeros(3, b, dtype=torch.long, device=dev)
+            self.rows = [torch.zeros(b * w, row, dtype=dtype, device=dev) for _ in drafter.layers]
+            self.tokens = torch.zeros(b, k, dtype=torch.long, device=dev)
+            self.confidence = torch.zeros(b, k, dtype=torch.float32, device=dev)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+
+    def key_for(self, batch: int, longest: int) -> tuple[int, int] | None:
+        """The (batch size, width) a step of `batch` requests whose longest context has `longest` rows
+        replays, or None (it runs eagerly)."""
+        w = width_bucket(longest)
+        if batch > self.batch_sizes[-1] or w > self.widths[-1]:
+            return None
+        key = next(s for s in self.batch_sizes if s >= batch), w
+        if self.meta.device.type == "cuda" and key not in self.graphs:
+            return None
+        return key
+
+    def _run(self, key: tuple[int, int]) -> None:
+        b, w = key
+        ctx = [r[: b * w].view(b, w, -1) for r in self.rows]
+        tokens, conf = greedy_block(self.drafter, self.meta[:, :b], ctx, self.k)
+        self.tokens[:b].copy_(tokens)  # static outputs: the graph's own tensors go back to the shared pool
+        self.confidence[:b].copy_(conf)
+
+    @torch.no_grad()
+    def draft(self, stores: list[RowStore], anchors: Tensor, key: tuple[int, int]) -> DraftBlock:
+        """Greedy drafts for requests with these row stores and anchors [B] (host or device), through the
+        graph of `key`."""
+        b, w = key
+        n = len(stores)
+        pad = [0] * (b - n)
+        host = [[s.n for s in stores] + pad, [s.first + s.n for s in stores] + pad]
+        on_host = anchors.device.type == "cpu"
+        host.append(anchors.tolist() + pad if on_host else [0] * b)
+        self.meta[:, :b].copy_(host_to_device(torch.tensor(host, dtype=torch.long), self.meta.device))
+        if not on_host:
+            self.meta[2, :n].copy_(anchors)
+        dest = destinations(self.meta[0, :n], w, sum(s.n for s in stores))
+        for layer, buf in enumerate(self.rows):
+            buf.index_copy_(0, dest, torch.cat([s.buffers[layer][: s.n] for s in stores]).to(buf.dtype))
+        graph = self.graphs.get(key)
+        if graph is not None:
+            graph.replay()
+        else:
+            self._run(key)
+        return DraftBlock(self.tokens[:n].clone(), None, self.confidence[:n].clone())
+
+    @torch.no_grad()
+    def capture(self) -> None:
+        """Capture every key on CUDA, most work first so the smaller graphs reuse its memory from the shared
+        pool; a key that cannot be captured (out of memory) is left out and runs eagerly."""
+        if self.meta.device.type != "cuda":
+            return
+        t0, pool, skipped = time.perf_counter(), torch.cuda.graph_pool_handle(), []
+        self.meta.zero_()  # every request a padding request while capturing
+        for key in sorted(((b, w) for b in self.batch_sizes for w in self.widths), key=lambda k: (-k[0] * k[1], k)):
+            try:
+                self.graphs[key] = capture_graph(lambda key=key: self._run(key), pool)
+            except RuntimeError as e:
+                skipped.append(key)
+                log.warning("drafter step of %d requests x %d rows runs without a CUDA graph: %s", *key,
+                            str(e).splitlines()[0][:200])
+        torch.cuda.synchronize()
+        log.info("captured %d drafter CUDA graphs in %.1f s: batch sizes %s, widths %s%s", len(self.graphs),
+                 time.perf_counter() - t0, self.batch_sizes, self.widths,
+                 f" (eager: {sorted(skipped)})" if skipped else "")

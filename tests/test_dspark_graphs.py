@@ -1,0 +1,88 @@
+"""The drafter's greedy step over static buffers (hyserve/spec_decode/dspark_graphs.py), on the CPU: what
+the graphs replay on CUDA drafts what the eager proposer drafts, whatever earlier steps left in the
+buffers and however many padding requests the batch size adds. tests/gpu/test_dspark_graphs_gpu.py
+checks the replay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_dspark import features_of
+from test_dspark_rows import VOCAB, toy_drafter, toy_target
+from test_spec_engine import repetitive_prompts, run
+
+from hyserve.spec_decode.dspark_graphs import DSparkGraphs, width_ladder
+from hyserve.spec_decode.dspark_propose import DSparkProposer
+
+
+@pytest.fixture(scope="module")
+def target():
+    return toy_target()
+
+
+@pytest.fixture(scope="module")
+def drafter(target):
+    return toy_drafter(target)
+
+
+def proposer_with(target, drafter, lengths: dict[str, int], seed: int) -> tuple[DSparkProposer, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    proposer = DSparkProposer(drafter, 3)
+    anchors = []
+    for rid, n in lengths.items():
+        ids = torch.randint(3, VOCAB, (n,), generator=g).tolist()
+        proposer.add_context(rid, features_of(target, ids[:-1], drafter.config.target_layer_ids),
+                             torch.arange(len(ids) - 1))
+        anchors.append(ids[-1])
+    return proposer, torch.tensor(anchors)
+
+
+def test_the_static_step_drafts_what_the_eager_proposer_drafts(target, drafter):
+    graphs = DSparkGraphs(drafter, 3, [1, 2, 4, 8], width_ladder(600))
+    # a first batch of long contexts leaves rows in the buffers that the second batch must not see
+    for lengths in ({"a": 500, "b": 300, "c": 90}, {"d": 7, "e": 60, "f": 2, "g": 129, "h": 33}):
+        proposer, anchors = proposer_with(target, drafter, lengths, seed=len(lengths))
+        eager = proposer.propose(list(lengths), anchors)
+        stores = [proposer.stores[r] for r in lengths]
+        key = graphs.key_for(len(stores), max(s.n for s in stores))
+        assert key[0] == (4 if len(lengths) == 3 else 8)  # padding requests
+        static = graphs.draft(stores, anchors, key)
+        assert static.probs is None and torch.equal(static.token_ids, eager.token_ids)
+        torch.testing.assert_close(static.confidence, eager.confidence, rtol=0, atol=1e-6)
+
+
+def test_the_proposer_drafts_greedy_blocks_through_its_graphs_and_sampled_ones_eagerly(target, drafter):
+    proposer, anchors = proposer_with(target, drafter, {"a": 12, "b": 40}, seed=0)
+    eager = proposer.propose(["a", "b"], anchors)
+    proposer.graphs = graphs = DSparkGraphs(drafter, 3, [2], [128])
+    calls, original = [], graphs.draft
+    graphs.draft = lambda *a: calls.append(a[2]) or original(*a)
+    assert torch.equal(proposer.propose(["a", "b"], anchors).token_ids, eager.token_ids)
+    assert calls == [(2, 128)]
+    block = proposer.propose(["a", "b"], anchors, [0.0, 0.9], [None, torch.Generator().manual_seed(1)])
+    assert calls == [(2, 128)] and block.probs is not None
+
+
+@pytest.mark.parametrize(("batch", "longest", "key"), [(1, 5, (1, 128)), (3, 129, (4, 256)), (8, 512, (8, 512)),
+                                                       (9, 5, None), (2, 513, None)])
+def test_a_step_replays_the_smallest_key_that_holds_it(drafter, batch, longest, key):
+    graphs = DSparkGraphs(drafter, 2, [1, 2, 4, 8], width_ladder(512))
+    assert graphs.key_for(batch, longest) == key
+
+
+def test_the_width_ladder_covers_every_context_up_to_the_longest():
+    assert width_ladder(100) == [128] and width_ladder(4096) == [128, 256, 512, 1024, 2048, 4096]
+    assert width_ladder(4097) == [128, 256, 512, 1024, 2048, 4096, 8192]
+
+
+def test_an_engine_with_static_buffers_drafts_greedy_blocks_through_the_static_step(make_llm, drafter_dir):
+    prompts = repetitive_prompts(3, seed=5)
+    kw = dict(max_num_seqs=4, enable_prefix_caching=False)
+    plain = run(make_llm(**kw), prompts)
+    llm = make_llm(static_decode_buffers=True, speculative_config={"method": "dspark", "model": drafter_dir}, **kw)
+    graphs = llm.engine.spec.proposer.graphs
+    assert graphs.batch_sizes == [1, 2, 4] and graphs.widths[-1] >= llm.engine.max_model_len
+    keys, original = [], graphs.draft
+    graphs.draft = lambda *a: keys.append(a[2]) or original(*a)
+    assert run(llm, prompts) == plain
+    assert keys and llm.engine.stats.spec_decode.num_draft_tokens > 0
