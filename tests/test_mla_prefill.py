@@ -18,6 +18,7 @@ from hyserve.ops.mla_decode import (
     merge_attention,
     mla_prefill_fast,
     reference_attention_lse,
+    split_plan,
 )
 
 H, DN, DR, DV, R, BS = 4, 16, 8, 16, 32, 8
@@ -92,3 +93,11 @@ def test_merge_writes_into_a_strided_output_in_its_dtype():
 def test_cpu_tensors_have_no_cudnn_split():
     q, k, v = torch.randn(8, H, 24), torch.randn(8, H, 24), torch.randn(8, H, 16)
     assert cudnn_split_mode(q, k, v) is None
+
+
+def test_by_default_only_long_chunks_over_a_cached_context_split():
+    # fresh prompts never; an agentic turn's few thousand new tokens not (a new shape would cost a cuDNN plan)
+    ql, cl = [4096, 2049, 4096, 8192, 8192], [4096, 12288, 4096 + 63, 16384, 8192 + 64]
+    assert split_plan(ql, cl, None) == [False, False, False, True, True]
+    assert split_plan(ql, cl, False) == [False] * 5
+    assert split_plan(ql, cl, True) == [False, True, True, True, True]

@@ -510,6 +510,12 @@ def reference_attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
 # A chunk or a cached context under this many rows keeps the one lower-right call: its attention takes
 # microseconds either way, and cuDNN then never sees a key length of 1 (which SDPA itself keeps from it)
 SPLIT_MIN_ROWS = 64
+# By default only chunks of this many queries split. cuDNN builds an execution plan for every new shape
+# (about 42 ms a call shape on the H200, 110 ms for a split's two), while the split saves about 1.4 ms a
+# layer at 2,049 queries over 12,288 keys and 4.6 ms at 8,192 over 16,384: a plan pays only where shapes
+# repeat, as the full-budget chunks of a long prompt do (8,192 over multiples of 8,192), and the few
+# hundred to few thousand new tokens of an agentic turn over a context of any length do not
+SPLIT_MIN_QUERIES = 4096
 
 # the cuDNN split's v form per class of inputs (device, dtype, heads, q/k and v widths): "narrow" (v at
 # d_v), "padded" (v zero-padded to the q/k width) or None (no cuDNN op for this class: the one lower-right
@@ -573,6 +579,12 @@ def _probe_cudnn_split(device: torch.device, dtype: torch.dtype, h: int, d: int,
     return None
 
 
+def split_plan(query_lens: list[int], context_lens: list[int], split: bool | None) -> list[bool]:
+    """Which chunks `mla_prefill_fast` would split (see its `split`), before asking whether cuDNN serves them."""
+    return [split is not False and nq < nc and (split or (nq >= SPLIT_MIN_QUERIES and nc - nq >= SPLIT_MIN_ROWS))
+            for nq, nc in zip(query_lens, context_lens)]
+
+
 def mla_prefill_fast(
     q_nope: torch.Tensor, q_rope: torch.Tensor, pages: torch.Tensor, layer: int, block_tables: torch.Tensor,
     query_lens: list[int], context_lens: list[int], kv_b: torch.Tensor, kv_lora_rank: int, v_head_dim: int,
@@ -588,8 +600,8 @@ def mla_prefill_fast(
     through FlashAttention-2 at about half cuDNN's rate on the H200. Returns [Tq, H, d_v].
     `context_rows`: (page, row) of every cached position (`PrefillRows.context_rows`, built once for every
     layer of a step); without it they are derived from block_tables here.
-    `split`: None = split the chunks of at least SPLIT_MIN_ROWS over at least as many cached rows where
-    cuDNN serves the inputs (`cudnn_split_mode`); False = one lower-right call per chunk; True = split
+    `split`: None = split the chunks of at least SPLIT_MIN_QUERIES over at least SPLIT_MIN_ROWS cached
+    rows where cuDNN serves the inputs (`cudnn_split_mode`); False = one lower-right call per chunk; True = split
     every chunk over a cached context, through the math reference where cuDNN does not serve the inputs
     (the CPU tests).
     """
@@ -605,9 +617,7 @@ def mla_prefill_fast(
     k = torch.cat([kv[..., :dn], rows[:, None, kv_lora_rank:].to(kv.dtype).expand(-1, h, -1)], -1)
     q = torch.cat([q_nope, q_rope], -1).to(k.dtype)
     v_lat = kv[..., dn:]
-    m = SPLIT_MIN_ROWS
-    splits = [split is not False and nq < nc and (split or (nq >= m and nc - nq >= m))
-              for nq, nc in zip(query_lens, context_lens)]
+    splits = split_plan(query_lens, context_lens, split)
     mode = cudnn_split_mode(q, k, v_lat) if any(splits) else None
     attend: AttendLse | None = None if mode is None else cudnn_attention_lse
     if mode is None and split:

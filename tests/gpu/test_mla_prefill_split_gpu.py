@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hyserve.ops.mla_decode import (
+    SPLIT_MIN_ROWS,
     cudnn_attention_lse,
     cudnn_split_mode,
     merge_attention,
@@ -86,9 +87,11 @@ def test_cudnn_log_sum_exp_is_the_natural_log_sum_exp_of_the_scaled_scores(causa
 
 @pytest.mark.parametrize("ql,cl", [([2049], [12288]), ([8192], [16384]), ([7, 300, 1, 64, 5, 64], [7, 1300, 65, 64, 45, 128])],
                          ids=["2049-over-12288", "8192-over-16384", "small-mixed"])
-def test_split_prefill_matches_the_single_lower_right_call(ql, cl):
+def test_split_prefill_matches_the_single_lower_right_call(ql, cl, monkeypatch):
     """The small step mixes fresh prompts (one causal call either way), chunks too short to split (one of a
-    single token) and chunks split: 300 over 1000 cached rows, 64 over 64 (the smallest split)."""
+    single token) and chunks split: 300 over 1000 cached rows, 64 over 64 (the smallest split). Every chunk
+    of SPLIT_MIN_ROWS splits here, not only those of SPLIT_MIN_QUERIES (the serving default)."""
+    monkeypatch.setattr("hyserve.ops.mla_decode.SPLIT_MIN_QUERIES", SPLIT_MIN_ROWS)
     qn, qr, pages, bt, kvb = _inputs(ql, cl, len(ql))
     scale = (DN + DR) ** -0.5
     single = mla_prefill_fast(qn, qr, pages, 1, bt, ql, cl, kvb, R, DV, scale, split=False)
