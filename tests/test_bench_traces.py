@@ -251,6 +251,19 @@ class TestReplay:
         assert res["prefix_hit_rate_observed_metrics"] < res["prefix_hit_rate_observed_usage"]
         assert res["prefix_hit_rate_observed"] == res["prefix_hit_rate_observed_usage"]
 
+    def test_a_warmup_barrier_starts_the_window_after_every_lanes_warmup(self):
+        traces = generate_traces(self.SMALL)[0]
+
+        async def go():
+            async with FakeServer(FakeServerConfig(block_size=BS, token_delay_s=0.0005)) as srv:
+                return await run_replay(_replay_cfg(srv, traces, warmup=True, warmup_barrier=True, keep_requests=True))
+
+        res = asyncio.run(asyncio.wait_for(go(), 30))
+        assert res["warmup_barrier"] and res["warmup_phase_s"] > 0 and res["requests_warmup"] > 0
+        # the /metrics delta now starts after the warm-ups: it counts what the usage rate counts
+        assert res["prefix_hit_rate_observed_metrics"] == pytest.approx(res["prefix_hit_rate_observed_usage"], abs=0.02)
+        assert res["requests_completed"] > 20
+
     def test_server_errors_are_counted_not_raised(self):
         traces = generate_traces(GeneratorConfig(sessions=2, seed=1, context_scale=0.01, turns_max=30))[0]
 

@@ -237,6 +237,8 @@ def _add_replay_args(p: argparse.ArgumentParser, traces_required: bool = True) -
         "--idle-cap", type=float, default=10.0, help="cap (s) on a think gap with nothing in flight"
     )
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--warmup-barrier", action=argparse.BooleanOptionalAction, default=False,
+                   help="start the window once every lane's warm-up has landed (short runs measure warm sessions)")
     p.add_argument(
         "--max-input-len", type=int, default=None, help="truncate prompts (keeps the leading blocks)"
     )
@@ -279,6 +281,7 @@ def _replay_config(args: argparse.Namespace, concurrency: int):
         time_scale=args.time_scale,
         idle_cap_s=args.idle_cap,
         warmup=args.warmup,
+        warmup_barrier=args.warmup_barrier,
         vocab_low=args.vocab_low,
         vocab_high=args.vocab_high,
         max_input_len=args.max_input_len,
