@@ -11,7 +11,7 @@ from test_dspark import features_of
 from test_dspark_rows import VOCAB, toy_drafter, toy_target
 from test_spec_engine import repetitive_prompts, run
 
-from hyserve.spec_decode.dspark_graphs import DSparkGraphs, width_ladder
+from hyserve.spec_decode.dspark_graphs import DSparkGraphs, bytes_per_row, width_ladder
 from hyserve.spec_decode.dspark_propose import DSparkProposer
 
 
@@ -68,6 +68,16 @@ def test_the_proposer_drafts_greedy_blocks_through_its_graphs_and_sampled_ones_e
 def test_a_step_replays_the_smallest_key_that_holds_it(drafter, batch, longest, key):
     graphs = DSparkGraphs(drafter, 2, [1, 2, 4, 8], width_ladder(512))
     assert graphs.key_for(batch, longest) == key
+
+
+def test_steps_over_the_row_budget_run_eagerly_and_the_buffers_hold_the_budget_at_most(drafter):
+    graphs = DSparkGraphs(drafter, 2, [1, 2, 4, 8], width_ladder(4096), max_rows=1024)
+    assert graphs.key_for(8, 100) == (8, 128) and graphs.key_for(1, 1000) == (1, 1024)
+    assert graphs.key_for(2, 1000) is None and graphs.key_for(8, 200) is None  # 2 x 1024, 8 x 256 rows
+    assert all(r.shape[0] <= 1024 for r in graphs.rows)
+    assert DSparkGraphs(drafter, 2, [1, 2], [128], max_rows=64).key_for(1, 5) is None  # nothing fits
+    c = drafter.config  # the budget's unit counts at least each layer's latent row
+    assert bytes_per_row(drafter) > len(drafter.layers) * (c.kv_lora_rank + c.qk_rope_head_dim)
 
 
 def test_the_width_ladder_covers_every_context_up_to_the_longest():

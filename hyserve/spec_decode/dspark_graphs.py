@@ -56,21 +56,35 @@ def width_ladder(max_rows: int) -> list[int]:
     return out
 
 
-class DSparkGraphs:
-    """Static buffers for every (batch size, width) of `batch_sizes` x `widths`, and on CUDA after
-    `capture` their graphs."""
+def bytes_per_row(drafter: DSparkDrafter) -> int:
+    """About what one context row of a drafting step holds on the device: its latent row in every draft
+    layer's static buffer, and the keys and values each layer expands it to (the graph's activations)."""
+    c = drafter.config
+    per_layer = c.kv_lora_rank + c.qk_rope_head_dim + 2 * c.num_heads * (2 * c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim)
+    return per_layer * len(drafter.layers) * drafter.fc.weight.element_size()
 
-    def __init__(self, drafter: DSparkDrafter, k: int, batch_sizes: list[int], widths: list[int]):
+
+class DSparkGraphs:
+    """Static buffers for every (batch size, width) of `batch_sizes` x `widths` of at most `max_rows`
+    context rows in all (None: no bound), and on CUDA after `capture` their graphs. Larger steps run
+    eagerly: a long max_model_len times a large batch would otherwise ask for more memory than the
+    cache left (64 requests x 64K rows is 4.8 GB a layer for the rows alone at a K3-sized latent)."""
+
+    def __init__(self, drafter: DSparkDrafter, k: int, batch_sizes: list[int], widths: list[int],
+                 max_rows: int | None = None):
         self.drafter, self.k = drafter, k
-        self.batch_sizes, self.widths = sorted(batch_sizes), sorted(widths)
+        fits = [(b, w) for b in sorted(batch_sizes) for w in sorted(widths) if max_rows is None or b * w <= max_rows]
+        self.keys = set(fits)
+        self.batch_sizes = sorted({b for b, _ in fits}) or [0]
+        self.widths = sorted({w for _, w in fits}) or [0]
         dev, dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
-        b, w = self.batch_sizes[-1], self.widths[-1]
+        rows = max((b * w for b, w in fits), default=0)
         row = drafter.config.kv_lora_rank + drafter.config.qk_rope_head_dim
         with torch.no_grad():
-            self.meta = torch.zeros(3, b, dtype=torch.long, device=dev)
-            self.rows = [torch.zeros(b * w, row, dtype=dtype, device=dev) for _ in drafter.layers]
-            self.tokens = torch.zeros(b, k, dtype=torch.long, device=dev)
-            self.confidence = torch.zeros(b, k, dtype=torch.float32, device=dev)
+            self.meta = torch.zeros(3, self.batch_sizes[-1], dtype=torch.long, device=dev)
+            self.rows = [torch.zeros(rows, row, dtype=dtype, device=dev) for _ in drafter.layers]
+            self.tokens = torch.zeros(self.batch_sizes[-1], k, dtype=torch.long, device=dev)
+            self.confidence = torch.zeros(self.batch_sizes[-1], k, dtype=torch.float32, device=dev)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
 
     def key_for(self, batch: int, longest: int) -> tuple[int, int] | None:
@@ -80,7 +94,7 @@ class DSparkGraphs:
         if batch > self.batch_sizes[-1] or w > self.widths[-1]:
             return None
         key = next(s for s in self.batch_sizes if s >= batch), w
-        if self.meta.device.type == "cuda" and key not in self.graphs:
+        if key not in self.keys or (self.meta.device.type == "cuda" and key not in self.graphs):
             return None
         return key
 
@@ -122,7 +136,7 @@ class DSparkGraphs:
             return
         t0, pool, skipped = time.perf_counter(), torch.cuda.graph_pool_handle(), []
         self.meta.zero_()  # every request a padding request while capturing
-        for key in sorted(((b, w) for b in self.batch_sizes for w in self.widths), key=lambda k: (-k[0] * k[1], k)):
+        for key in sorted(self.keys, key=lambda k: (-k[0] * k[1], k)):
             try:
                 self.graphs[key] = capture_graph(lambda key=key: self._run(key), pool)
             except RuntimeError as e:

@@ -25,7 +25,7 @@ import torch
 from hyserve.engine.cuda_graphs import MAX_VERIFY_SEQS, graph_batch_sizes
 from hyserve.spec_decode.confidence import threshold_lengths
 from hyserve.spec_decode.config import SpeculativeConfig
-from hyserve.spec_decode.dspark_graphs import DSparkGraphs, width_ladder
+from hyserve.spec_decode.dspark_graphs import DSparkGraphs, bytes_per_row, width_ladder
 from hyserve.spec_decode.dspark_io import load_drafter
 from hyserve.spec_decode.dspark_propose import DSparkProposer
 from hyserve.spec_decode.engine_step import SpecDecoder
@@ -71,8 +71,12 @@ class DSparkDecoder(SpecDecoder):
         """Greedy drafting through `DSparkGraphs`: batch sizes up to the largest batch that still speculates
         (and MAX_VERIFY_SEQS, the verify graphs' bound), widths up to max_model_len's bucket."""
         cap = min(max_batch, MAX_VERIFY_SEQS, (self.config.disable_by_batch_size or max_batch + 1) - 1)
-        graphs = DSparkGraphs(self.proposer.drafter, self.proposer.k, graph_batch_sizes(cap),
-                              width_ladder(self.max_model_len))
+        drafter = self.proposer.drafter
+        max_rows = None  # on CUDA: a quarter of what the cache left, like the MLP segment graphs
+        if drafter.fc.weight.is_cuda:
+            max_rows = torch.cuda.mem_get_info(drafter.fc.weight.device)[0] // 4 // bytes_per_row(drafter)
+        graphs = DSparkGraphs(drafter, self.proposer.k, graph_batch_sizes(cap), width_ladder(self.max_model_len),
+                              max_rows)
         graphs.capture()
         self.proposer.graphs = graphs
 
