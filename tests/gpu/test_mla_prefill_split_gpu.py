@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_mla_moe_gpu import DN, DR, DV, H, R, _pages  # the same 48B head shape and paged pool
 
 from hyserve.ops.mla_decode import (
     SPLIT_MIN_ROWS,
@@ -18,7 +19,6 @@ from hyserve.ops.mla_decode import (
 )
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-H, DN, DR, DV, R, BS = 32, 128, 64, 128, 512, 64
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
@@ -31,15 +31,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def _inputs(ql: list[int], cl: list[int], seed: int):
     """Pages holding every sequence's context in shuffled blocks, the up-projection and the queries."""
     gen = torch.Generator("cuda").manual_seed(seed)
-    blocks = [(c + BS - 1) // BS for c in cl]
-    nb = sum(blocks) + 3
-    pages = torch.randn(nb, 2, BS, R + DR, device="cuda", generator=gen).to(torch.bfloat16)
-    perm = torch.randperm(nb, device="cuda", generator=gen)
-    bt = torch.full((len(cl), max(blocks)), -1, dtype=torch.long, device="cuda")
-    s = 0
-    for i, n in enumerate(blocks):
-        bt[i, :n] = perm[s : s + n]
-        s += n
+    pages, bt = _pages(cl, gen)
     kvb = (torch.randn(H * (DN + DV), R, device="cuda", generator=gen) * 0.05).to(torch.bfloat16)
     qn = torch.randn(sum(ql), H, DN, device="cuda", generator=gen).to(torch.bfloat16)
     qr = torch.randn(sum(ql), H, DR, device="cuda", generator=gen).to(torch.bfloat16)
