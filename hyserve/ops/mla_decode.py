@@ -585,6 +585,27 @@ def split_plan(query_lens: list[int], context_lens: list[int], split: bool | Non
             for nq, nc in zip(query_lens, context_lens)]
 
 
+def _prefill_values(q: torch.Tensor, k: torch.Tensor, v_lat: torch.Tensor, splits: list[bool], split: bool | None
+                    ) -> tuple[list[bool], AttendLse | None, torch.Tensor | None, torch.Tensor | None]:
+    """(the chunks that do split, their attention, v as the split reads it, v padded to the q/k width for
+    the one-call sequences): no split where neither cuDNN nor a forced split (the math reference) serves it.
+    The narrow split needs no padded copy of v (and does a third fewer P·V products) unless a sequence
+    takes the one call."""
+    import torch.nn.functional as F
+
+    mode = cudnn_split_mode(q, k, v_lat) if any(splits) else None
+    attend: AttendLse | None = None if mode is None else cudnn_attention_lse
+    if mode is None and split:
+        mode, attend = "narrow", reference_attention_lse
+    if attend is None:
+        splits = [False] * len(splits)
+    v_split = split_values(v_lat, mode, k.shape[-1]) if any(splits) else None
+    v_padded = v_split if mode == "padded" else None
+    if not all(splits) and v_padded is None:
+        v_padded = F.pad(v_lat, (0, k.shape[-1] - v_lat.shape[-1]))
+    return splits, attend, v_split, v_padded
+
+
 def mla_prefill_fast(
     q_nope: torch.Tensor, q_rope: torch.Tensor, pages: torch.Tensor, layer: int, block_tables: torch.Tensor,
     query_lens: list[int], context_lens: list[int], kv_b: torch.Tensor, kv_lora_rank: int, v_head_dim: int,
@@ -594,10 +615,11 @@ def mla_prefill_fast(
 
     The cached rows of all sequences are gathered in one indexing op and up-projected by one GEMM. A
     fresh prompt (query_len == context_len) is one causal SDPA call (cuDNN's flash kernel on the H200); v
-    is zero-padded to the q/k width so the flash kernels apply. A chunk over a cached context is split
+    is zero-padded to the q/k width so the flash kernels apply. A long chunk over a cached context is split
     (`attention_split`): its queries over the cached keys unmasked and over its own keys causally, two
     cuDNN calls merged by log-sum-exp, since SDPA serves the lower-right causal bias of one call only
-    through FlashAttention-2 at about half cuDNN's rate on the H200. Returns [Tq, H, d_v].
+    through FlashAttention-2 at about half cuDNN's rate on the H200; shorter chunks keep that one call
+    (see SPLIT_MIN_QUERIES). Returns [Tq, H, d_v].
     `context_rows`: (page, row) of every cached position (`PrefillRows.context_rows`, built once for every
     layer of a step); without it they are derived from block_tables here.
     `split`: None = split the chunks of at least SPLIT_MIN_QUERIES over at least SPLIT_MIN_ROWS cached
@@ -616,20 +638,8 @@ def mla_prefill_fast(
     kv = (rows[:, :kv_lora_rank].to(kv_b.dtype) @ kv_b.t()).view(total, h, dn + v_head_dim)
     k = torch.cat([kv[..., :dn], rows[:, None, kv_lora_rank:].to(kv.dtype).expand(-1, h, -1)], -1)
     q = torch.cat([q_nope, q_rope], -1).to(k.dtype)
-    v_lat = kv[..., dn:]
-    splits = split_plan(query_lens, context_lens, split)
-    mode = cudnn_split_mode(q, k, v_lat) if any(splits) else None
-    attend: AttendLse | None = None if mode is None else cudnn_attention_lse
-    if mode is None and split:
-        mode, attend = "narrow", reference_attention_lse
-    if attend is None:
-        splits = [False] * len(splits)
-    v_split = split_values(v_lat, mode, k.shape[-1]) if any(splits) else None
-    # the narrow split needs no padded copy of v (and does a third fewer P·V products) unless a sequence
-    # takes the one call
-    v_padded = v_split if mode == "padded" else None
-    if not all(splits):
-        v_padded = F.pad(v_lat, (0, k.shape[-1] - v_head_dim)) if v_padded is None else v_padded
+    splits, attend, v_split, v_padded = _prefill_values(q, k, kv[..., dn:], split_plan(query_lens, context_lens, split),
+                                                        split)
     out = torch.empty(q.shape[0], h, v_head_dim, dtype=k.dtype, device=dev)
     q0 = c0 = 0
     for nq, nc, sp in zip(query_lens, context_lens, splits):
