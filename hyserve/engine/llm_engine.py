@@ -361,12 +361,13 @@ class LLMEngine:
 
     def _launch(self, out: SchedulerOutput, prev: _Launched | None) -> _Launched:
         """Run the forward and the sampler for `out` without reading anything back."""
-        launched, kind = time.perf_counter(), "graph" if self.runner.uses_graph(out) else "eager"
+        launched = time.perf_counter()
         self.kv.begin_step(out)  # queued cache copies land before the forward; its tokens count as computed
         pending = None
         if prev is not None and prev.result is not None:
             pending = PendingTokens(prev.result.token_ids, {r: j for j, r in enumerate(prev.reqs)})
         logits = self.runner.execute(out, pending) if self.spec is None else self.spec.execute(self.runner, out, pending)
+        kind = "graph" if logits.graph else "eager"
         now = time.time()
         for s in out.seqs:
             if s.end >= s.req.num_prompt_tokens and not s.req.prompt_counted:

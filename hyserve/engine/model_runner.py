@@ -28,6 +28,7 @@ class StepLogits:
     # [T, m*D] the hidden states after the runner's feature layers for every token of the step (a
     # drafter's context); None unless the runner was built with feature layers
     features: torch.Tensor | None = None
+    graph: bool = False  # the step ran through the decode graphs' static buffers
 
 
 def _wants_prompt_logits(s: ScheduledSeq) -> bool:
@@ -73,7 +74,9 @@ class ModelRunner:
             build_step_inputs(out.seqs, self.kv.block_size, pending, pin=self._pin), pending)
         prompt_rows = {} if graph else {i: min(s.end, s.req.num_prompt_tokens) - s.start
                                         for i, s in enumerate(out.seqs) if _wants_prompt_logits(s)}
-        return self.run(inputs, pending.token_ids if inputs.pending else None, prompt_rows, graph)
+        logits = self.run(inputs, pending.token_ids if inputs.pending else None, prompt_rows, graph)
+        logits.graph = graph
+        return logits
 
     def _graph_inputs(self, seqs: list[ScheduledSeq], pending: PendingTokens | None) -> tuple[StepInputs, PendingTokens | None]:
         graphs, kv = self.graphs, self.kv
