@@ -117,13 +117,14 @@ def child_write(directory: str, preset: str, layers: int, shard_gb: float, devic
     return {"files": len(files), "bytes": sum(os.path.getsize(f) for f in files), "seconds": seconds}
 
 
-def child_load(model: str, load_format: str, preset: str, device: str) -> dict:
+def child_load(model: str, load_format: str, preset: str, device: str, warmup: str = "default") -> dict:
     from hyserve import LLM
     from hyserve.models import host_memory
     from hyserve.startup import since_process_start
 
     # the preset's tokenizer (its family's byte tokenizer): the directory holds weights and config only
-    llm = LLM(model, load_format=load_format, tokenizer=preset, device=device)
+    extra = {} if warmup == "default" else {"warmup": warmup == "on"}
+    llm = LLM(model, load_format=load_format, tokenizer=preset, device=device, **extra)
     ready = since_process_start()
     engine = llm.engine
     return {"load": engine.model.load_report.__dict__, "phases": engine.startup.phases, "ready": ready,
@@ -194,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load-formats", default="safetensors", help="for the disk mode: safetensors,fastsafetensors")
     p.add_argument("--timeout", type=float, default=420, help="seconds per child process")
     p.add_argument("--keep", action="store_true", help="keep the directory afterwards")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="start the engines as `hyserve serve --no-warmup` does (the load is the same; ready sooner)")
     p.add_argument("--no-append", action="store_true", help="print only; leave docs/BENCHMARKS.md alone")
     p.add_argument("--code-state", default=None, help="for the report (default: HYSERVE_CODE_STATE, else git rev-parse here)")
     args = p.parse_args(argv)
@@ -201,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     layers = args.layers
     directory = Path(args.dir or f"/tmp/hyserve-{args.preset}-{layers}l")
     notes, rows, cold = [], [], True
+    warmup = "off" if args.no_warmup else "default"
     if "write" in modes:
         layers = fitting_layers(args.preset, layers, directory)
         say(f"writing {layers} layers ({checkpoint_bytes(cut_config(args.preset, layers)) / GB:.1f} GB) to {directory}")
@@ -218,17 +222,18 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             cold = drop_page_cache(shard_files(directory)) and cold
             say(f"LLM({directory}, load_format={fmt!r}) until ready")
-            r = run_child(["_load", str(directory), fmt, args.preset, args.device], args.timeout)
+            r = run_child(["_load", str(directory), fmt, args.preset, args.device, warmup], args.timeout)
             rows.append(row(f"{r['layers']}-layer directory", r) if r else f"| {layers}-layer directory | {fmt} | failed |")
             say(rows[-1])
     if "dummy" in modes:
         say(f"LLM({args.preset!r}, load_format='dummy') until ready")
-        r = run_child(["_load", args.preset, "dummy", args.preset, args.device], args.timeout)
+        r = run_child(["_load", args.preset, "dummy", args.preset, args.device, warmup], args.timeout)
         rows.append(row(f"{args.preset} ({r['layers']} layers)", r) if r else f"| {args.preset} | dummy | failed |")
         say(rows[-1])
     if directory.exists() and not args.keep and "disk" in modes:
         shutil.rmtree(directory)
-    notes += ["Through `LLM(...)` in a fresh process per row, engine defaults (what `hyserve serve` builds). Host "
+    notes += ["Through `LLM(...)` in a fresh process per row, engine defaults (what `hyserve serve` builds"
+              + (", without the warm-up, as `--no-warmup`" if args.no_warmup else "") + "). Host "
               "peak while loading: the loader's own reading, /proc/self VmHWM reset at the load's start, over the "
               "resident size before it; bound 1.5x the largest shard + 2 GiB. Process peak RSS: the whole process's "
               "VmHWM at ready (CUDA context and libraries included). Device: torch's allocated bytes after loading "
@@ -255,6 +260,6 @@ if __name__ == "__main__":
         a = sys.argv[2:]
         print("RESULT " + json.dumps(child_write(a[0], a[1], int(a[2]), float(a[3]), a[4])), flush=True)
     elif len(sys.argv) > 1 and sys.argv[1] == "_load":
-        print("RESULT " + json.dumps(child_load(*sys.argv[2:6])), flush=True)
+        print("RESULT " + json.dumps(child_load(*sys.argv[2:7])), flush=True)
     else:
         sys.exit(main())
