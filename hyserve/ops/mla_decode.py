@@ -56,6 +56,7 @@ import triton.language as tl
 
 from hyserve.ops.kernel_plan import MLA_WGMMA_MIN_TILES
 from hyserve.ops.mla_attention import paged_rows
+from hyserve.ops.mla_fresh import fresh_attention, pads_fresh
 from hyserve.ops.ptx import prefetch_l2
 
 
@@ -614,7 +615,8 @@ def mla_prefill_fast(
     """Expanded-form attention for prefill sequences laid end to end (q_* [Tq, H, d]).
 
     The cached rows of all sequences are gathered in one indexing op and up-projected by one GEMM. A
-    fresh prompt (query_len == context_len) is one causal SDPA call (cuDNN's flash kernel on the H200); v
+    fresh prompt (query_len == context_len) is one causal SDPA call (cuDNN's flash kernel on the H200), on
+    CUDA padded to the length ladder of `mla_fresh` (no request waits for a cuDNN plan); v
     is zero-padded to the q/k width so the flash kernels apply. A long chunk over a cached context is split
     (`attention_split`): its queries over the cached keys unmasked and over its own keys causally, two
     cuDNN calls merged by log-sum-exp, since SDPA serves the lower-right causal bias of one call only
@@ -641,6 +643,7 @@ def mla_prefill_fast(
     splits, attend, v_split, v_padded = _prefill_values(q, k, kv[..., dn:], split_plan(query_lens, context_lens, split),
                                                         split)
     out = torch.empty(q.shape[0], h, v_head_dim, dtype=k.dtype, device=dev)
+    pad_fresh = pads_fresh(q)
     q0 = c0 = 0
     for nq, nc, sp in zip(query_lens, context_lens, splits):
         qi = q[q0 : q0 + nq].transpose(0, 1).unsqueeze(0)
@@ -648,6 +651,9 @@ def mla_prefill_fast(
         if sp:
             vi = v_split[c0 : c0 + nc].transpose(0, 1).unsqueeze(0)
             attention_split(qi, ki, vi, scale, attend, v_head_dim, out=out[q0 : q0 + nq].transpose(0, 1).unsqueeze(0))
+        elif nq == nc and pad_fresh:  # a fresh prompt: on the length ladder, whose cuDNN plans the warm-up built
+            out[q0 : q0 + nq] = fresh_attention(q[q0 : q0 + nq], k[c0 : c0 + nc], v_padded[c0 : c0 + nc],
+                                                scale)[..., :v_head_dim]
         else:
             vi = v_padded[c0 : c0 + nc].transpose(0, 1).unsqueeze(0)
             # query j sits at position nc - nq + j: the causal diagonal is aligned to the lower right, which

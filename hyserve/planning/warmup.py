@@ -15,6 +15,8 @@ graphs will be captured (`--enforce-eager`): eager decodes compile on first use 
 decoding, verify steps of every draft count k (1 + k tokens a sequence: the KDA verify kernel compiles per
 row length) at one sequence and at the most the slots allow, over a short and a long context; verify steps
 run eagerly, graphs or not. Contexts stay within max_model_len and the pages the pool can lend.
+Then the MLA layers' fresh-prompt attention runs once at each length of its ladder (`ops.mla_fresh`), so
+cuDNN has built the plan of every length a fresh prompt is padded to.
 Between the ladder's counts, kernels that tune per bucket of their size get one fresh prefill per bucket the
 ladder misses (`_bucket_steps`: fla's q/k L2 norm in the KDA prefill, a 6,144-token step on the 48B shape).
 
@@ -185,7 +187,23 @@ def _run(model, kv: KVCacheManager, steps: list[WarmupStep]) -> float:
         kv.blocks.free(pages)
         for s in reversed(slots):
             kv.slots.free(s)
+    _fresh_plans(model, max(s.num_tokens for s in steps))
     return time.perf_counter() - t0
+
+
+def _fresh_plans(model, max_tokens: int) -> None:
+    """cuDNN's plans for every fresh-prompt length rung of the MLA layers (`ops.mla_fresh`)."""
+    from hyserve.models.layers.mla import MLAttention
+    from hyserve.ops.mla_fresh import build_fresh_plans, pads_fresh
+
+    mla = next((m for m in model.modules() if isinstance(m, MLAttention)), None)
+    if mla is None or model.device.type != "cuda":
+        return
+    w = mla.kv_b_proj.weight
+    probe = torch.empty(0, device=model.device)
+    if pads_fresh(probe):
+        seconds = build_fresh_plans(mla.num_heads, mla.dn + mla.dr, w.dtype, model.device, max_tokens)
+        log.info("warm-up: fresh-prompt attention plans up to %d tokens (%.1f s)", max_tokens, seconds)
 
 
 def _seq(step: WarmupStep, i: int, j: int, pages: list[int], slots: list[int], kv: KVCacheManager,

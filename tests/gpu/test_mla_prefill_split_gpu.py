@@ -104,3 +104,18 @@ def test_triton_merge_of_bf16_parts_matches_the_torch_merge():
     merge_attention_triton(o_a, lse_a, o_b, lse_b, out=out.transpose(0, 1).unsqueeze(0))
     want = merge_attention(o_a, lse_a, o_b, lse_b)[0].transpose(0, 1)
     torch.testing.assert_close(out.float(), want.float(), rtol=2**-7, atol=1e-6)
+
+
+@pytest.mark.parametrize("n", [1023, 1024, 3000])
+def test_fresh_prompt_on_the_length_ladder_equals_its_unpadded_causal_call(n):
+    """The appended rows of `ops.mla_fresh` (a 1,023-token prompt run as 1,024 rows) change no real row
+    under the causal mask, with SDPA's CUDA kernels on both sides."""
+    from hyserve.ops.mla_fresh import fresh_attention, fresh_len, pads_fresh
+
+    assert pads_fresh(torch.empty(0, device="cuda")), "cuDNN SDPA is off: fresh prompts would not take the ladder"
+    gen = torch.Generator("cuda").manual_seed(n)
+    q, k, v = (torch.randn(n, H, DN + DR, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(3))
+    got = fresh_attention(q, k, v, (DN + DR) ** -0.5)
+    want = fresh_attention(q, k, v, (DN + DR) ** -0.5, rows=n)
+    assert fresh_len(n) % 256 == 0 and got.shape == want.shape
+    assert rel_err(got, want) < 1e-2
