@@ -123,7 +123,7 @@ def child_load(model: str, load_format: str, preset: str, device: str, warmup: s
     from hyserve.startup import since_process_start
 
     # the preset's tokenizer (its family's byte tokenizer): the directory holds weights and config only
-    extra = {} if warmup == "default" else {"warmup": warmup == "on"}
+    extra = {"warmup": False} if warmup == "off" else {}
     llm = LLM(model, load_format=load_format, tokenizer=preset, device=device, **extra)
     ready = since_process_start()
     engine = llm.engine

@@ -197,12 +197,8 @@ def _fresh_plans(model, max_tokens: int) -> None:
     from hyserve.ops.mla_fresh import build_fresh_plans, pads_fresh
 
     mla = next((m for m in model.modules() if isinstance(m, MLAttention)), None)
-    if mla is None or model.device.type != "cuda":
-        return
-    w = mla.kv_b_proj.weight
-    probe = torch.empty(0, device=model.device)
-    if pads_fresh(probe):
-        seconds = build_fresh_plans(mla.num_heads, mla.dn + mla.dr, w.dtype, model.device, max_tokens)
+    if mla is not None and pads_fresh(w := mla.kv_b_proj.weight):
+        seconds = build_fresh_plans(mla.num_heads, mla.dn + mla.dr, w.dtype, w.device, max_tokens)
         log.info("warm-up: fresh-prompt attention plans up to %d tokens (%.1f s)", max_tokens, seconds)
 
 
