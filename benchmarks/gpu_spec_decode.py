@@ -76,6 +76,25 @@ def run_batch(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[floa
     return (time.perf_counter() - t_first) / max(output_len - 1, 1) * 1e3, list(tokens.values())
 
 
+def profile_batch(llm: LLM, prompts: list[list[int]], output_len: int) -> None:
+    """One more pass under torch.profiler: the wall time per engine step against the GPU's kernel time
+    per step (the rest is host time the GPU waits for), and the kernels by GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    counts = llm.engine.stats.steps.steps  # the engine's own step counters (hyserve:engine_steps)
+    before = sum(counts.values())
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run_batch(llm, prompts, output_len)
+    wall = time.perf_counter() - t0
+    ka = prof.key_averages()
+    gpu = sum(e.self_device_time_total for e in ka) / 1e3
+    n = max(sum(counts.values()) - before, 1)
+    print(f"  profile: {n} steps, wall {wall * 1e3 / n:.2f} ms a step (under the profiler), "
+          f"GPU kernels {gpu / n:.2f} ms a step", flush=True)
+    print(ka.table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=60), flush=True)
+
+
 def measure(args, spec: dict | None) -> tuple[dict[int, float], dict[int, float | None], dict[int, list]]:
     kw = dict(device=args.device, max_num_seqs=max(args.batch_list), enable_prefix_caching=False,
               max_model_len=args.prompt_len + args.output_len + 64, enforce_eager=args.eager)
@@ -93,6 +112,8 @@ def measure(args, spec: dict | None) -> tuple[dict[int, float], dict[int, float 
         accept[b] = None if stats is None else \
             1 + (stats.num_accepted_tokens - before[1]) / max(stats.num_drafts - before[0], 1)
         print(f"  batch {b}: TPOT {tpot[b]:.2f} ms, acceptance length {accept[b]}", flush=True)
+        if b == args.profile_batch:
+            profile_batch(llm, prompts, args.output_len)
     del llm
     return tpot, accept, outputs
 
@@ -107,6 +128,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workload", choices=("heldout", "repeat", "random"), default="repeat")
     p.add_argument("--spec", action="append", required=True, help="a --speculative-config JSON (repeatable)")
     p.add_argument("--eager", action="store_true", help="--enforce-eager for every engine")
+    p.add_argument("--profile-batch", type=int, default=None,
+                   help="profile one more pass of this batch size (steps' wall time against GPU kernel time)")
     p.add_argument("--no-append", action="store_true", help="print only; leave docs/BENCHMARKS.md alone")
     args = p.parse_args(argv)
     args.batch_list = [int(b) for b in args.batches.split(",")]

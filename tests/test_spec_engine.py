@@ -34,9 +34,13 @@ class Oracle:
     def __init__(self, refs: dict[tuple[int, ...], list[int]], wrong: bool = False, dry_after: int | None = None):
         self.refs, self.wrong, self.dry_after, self.calls = refs, wrong, dry_after, 0
 
-    def propose(self, histories):
+    def __len__(self) -> int:  # keeps no per-request index
+        return 0
+
+    def propose(self, histories, keys=None):
         out = []
         for h in histories:
+            h = h[:]  # a TokenHistory reads as a list
             self.calls += 1
             prompt = next(p for p in self.refs if tuple(h[: len(p)]) == p and len(h) >= len(p))
             done, ref = len(h) - len(prompt), self.refs[prompt]

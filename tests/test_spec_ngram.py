@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from hyserve.spec_decode.ngram import NgramProposer
+from hyserve.spec_decode.ngram import NgramProposer, TokenHistory
 
 
 def propose(history, lo, hi, k=2, max_model_len=1000):
@@ -72,3 +72,39 @@ def test_random_histories_match_the_definition():
         max_len = max(len(h) for h in histories) + rng.randrange(0, 4)
         got = NgramProposer(lo, hi, k, max_len).propose(histories)
         assert got == [brute_force(h, lo, hi, k, max_len) for h in histories]
+
+
+def test_a_kept_index_extended_step_by_step_proposes_what_a_fresh_match_proposes():
+    rng = random.Random(5)
+    for _ in range(20):
+        lo = rng.randrange(1, 4)
+        hi = rng.randrange(lo, 6)
+        kept = NgramProposer(lo, hi, 3, 1000)
+        history = [rng.randrange(3) for _ in range(rng.randrange(0, 8))]
+        for _ in range(25):
+            history += [rng.randrange(3) for _ in range(rng.randrange(1, 5))]  # accepted drafts + bonus
+            assert kept.propose([history], keys=["r"]) == [brute_force(history, lo, hi, 3, 1000)]
+
+
+def test_a_history_shorter_than_its_key_saw_is_indexed_again():
+    proposer = NgramProposer(2, 2, 2, 1000)
+    assert proposer.propose([[1, 2, 3, 1, 2]], keys=["r"]) == [[3, 1]]
+    assert proposer.propose([[4, 5, 4, 5]], keys=["r"]) == [[4, 5]]  # a recomputed request: nothing of the old index
+
+
+def test_token_history_reads_prompt_and_output_as_one_sequence():
+    prompt, output = [7, 8, 9, 7], [8, 1, 7, 8]
+    joined = prompt + output
+    h = TokenHistory(prompt, output)
+    assert len(h) == len(joined)
+    for a in range(-3, 10):
+        for b in range(-3, 10):
+            assert h[a:b] == joined[a:b]
+    assert NgramProposer(2, 3, 3, 1000).propose([h], keys=["r"]) == [brute_force(joined, 2, 3, 3, 1000)]
+
+
+def test_retain_drops_the_indexes_of_other_requests():
+    proposer = NgramProposer(1, 2, 2, 1000)
+    proposer.propose([[1, 2, 1], [3, 3, 3]], keys=["a", "b"])
+    proposer.retain(["b"])
+    assert len(proposer) == 1

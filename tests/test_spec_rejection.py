@@ -226,3 +226,43 @@ def test_synthetic_acceptance_follows_the_configured_curve():
     for j, r in enumerate(rates):
         assert abs(float((m > j).float().mean()) - r) < 0.03
     assert all(t[-1] == 1 for t in out.token_lists())  # the token after them is the target's
+
+
+def _mixed_greedy_batch(params, seed=0):
+    """Random target rows and drafts that match the argmax chain for a random number of positions."""
+    g = torch.Generator().manual_seed(seed)
+    requests, logits = [], []
+    for i in range(12):
+        n = i % 4
+        rows = torch.randn(n + 1, V, generator=g)
+        chain = rows.argmax(-1).tolist()
+        cut = int(torch.randint(0, n + 1, (1,), generator=g))
+        drafts = chain[:cut] + [(t + 1) % V for t in chain[cut:n]]
+        requests.append(req(drafts, params))
+        logits.append(rows)
+    return torch.cat(logits), requests
+
+
+def test_greedy_steps_without_logprobs_decide_what_the_general_path_decides():
+    plain = SamplingParams(temperature=0.0, max_tokens=100)
+    logged = SamplingParams(temperature=0.0, max_tokens=100, logprobs=1)  # takes the general path
+    logits, fast_reqs = _mixed_greedy_batch(plain)
+    _, slow_reqs = _mixed_greedy_batch(logged)
+    fast, slow = rejection_sample(logits, fast_reqs), rejection_sample(logits, slow_reqs)
+    assert fast.token_lists() == slow.token_lists()
+    assert fast.num_accepted.tolist() == slow.num_accepted.tolist()
+    assert fast.emitted_rows.tolist() == slow.emitted_rows.tolist()
+    assert fast.output_token_ids.tolist() == slow.output_token_ids.tolist()
+    assert 0 < sum(fast.num_accepted.tolist()) < sum(len(r.draft_token_ids) for r in fast_reqs)
+
+
+def test_synthetic_greedy_steps_without_logprobs_decide_what_the_general_path_decides():
+    rates = [0.9, 0.5, 0.2]
+    logits, fast_reqs = _mixed_greedy_batch(SamplingParams(temperature=0.0, max_tokens=100))
+    _, slow_reqs = _mixed_greedy_batch(SamplingParams(temperature=0.0, max_tokens=100, logprobs=1))
+    torch.manual_seed(3)
+    fast = rejection_sample(logits, fast_reqs, synthetic_rates=rates)
+    torch.manual_seed(3)
+    slow = rejection_sample(logits, slow_reqs, synthetic_rates=rates)
+    assert fast.token_lists() == slow.token_lists()
+    assert fast.num_accepted.tolist() == slow.num_accepted.tolist()

@@ -10,7 +10,10 @@ import torch
 from test_cuda_graphs import _cache_copy, _changed_rows, _restore
 from test_spec_engine import GREEDY, NGRAM, K, Oracle, repetitive_prompts, run
 
+from hyserve import SamplingParams
 from hyserve.engine.cuda_graphs import graph_batch_sizes, verify_graph_sizes
+from hyserve.engine.request import Request
+from hyserve.engine.scheduler import ScheduledSeq
 from hyserve.engine.step_inputs import Padding, build_step_inputs
 from hyserve.spec_decode.config import parse_speculative_config
 
@@ -62,6 +65,61 @@ def test_a_padded_verify_step_puts_its_padding_rows_in_the_scratch_page_and_slot
     assert v.block_tables.tolist() == [[9, -1]] * 3
     with pytest.raises(ValueError, match="scratch page"):
         build_step_inputs([], 2, pad=pad, width=2, prev_len=0, sampled=False)
+
+
+def _spec_seq(prompt, outputs, start, blocks, slots, state, drafts=()) -> ScheduledSeq:
+    req = Request(f"r{state}", prompt, SamplingParams(), max_tokens=64, output_token_ids=list(outputs),
+                  block_ids=blocks, state_slot=state, spec_slots=slots)
+    return ScheduledSeq(req, 1 + len(drafts), start, False, tuple(drafts))
+
+
+def test_a_step_of_mixed_draft_counts_pads_the_shorter_rows_into_the_scratch_page_and_slot():
+    decode = _spec_seq([1, 2, 3, 4, 5], [6, 7, 8], 7, [9, 4], None, 1)  # positions 7 (+ 8..10 padding)
+    short = _spec_seq([6, 7, 8, 9], [30], 4, [3, 8], [10, 11, 12, 13], 12, [31])  # 4, 5 (+ 6, 7)
+    full = _spec_seq([1] * 7, [2], 7, [6, 0, 1], [20, 21, 22, 23], 20, [3, 4, 5])  # 7..10
+    pad = Padding(rows=4, scratch_block=15, scratch_slot=99, tokens=4, spec_width=4)
+    inputs = build_step_inputs([decode, short, full], 4, pad=pad, width=3, prev_len=0, sampled=False)
+    v = inputs.layout.views(inputs.flat)
+    assert v.positions.tolist() == [7, 8, 9, 10, 4, 5, 6, 7, 7, 8, 9, 10, 0, 1, 2, 3]
+    assert v.input_ids.tolist()[:12] == [8, 0, 0, 0, 30, 31, 0, 0, 2, 3, 4, 5]
+    # real tokens write their own pages; padding tokens only the scratch page (15 * 4 + their offset)
+    assert v.slot_mapping.tolist() == [19, 61, 62, 63, 32, 33, 62, 63, 3, 4, 5, 6, 60, 61, 62, 63]
+    assert v.block_tables.tolist()[:3] == [[9, 4, 15], [3, 8, -1], [6, 0, 1]]  # reads past a table: scratch
+    assert v.context_lens.tolist() == [11, 8, 11, 4]
+    # a decode updates its state in place through column 0; the padding's states go to the scratch slot
+    assert v.spec_slots.tolist() == [[1, 99, 99, 99], [10, 11, 12, 13], [20, 21, 22, 23], [99] * 4]
+    assert v.spec_src.tolist() == [0, 2, 0, 0] and v.state_slots.tolist() == [1, 12, 20, 99]
+    assert inputs.query_lens == [1, 2, 4] and inputs.context_lens == [8, 6, 11]
+    assert inputs.real_tokens == inputs.sample_tokens == [0, 4, 5, 8, 9, 10, 11]
+
+
+class Ragged(Oracle):
+    """The oracle's drafts cut to a count that differs from request to request and step to step (none
+    among them), so verify steps mix draft counts and decodes."""
+
+    def propose(self, histories, keys=None):
+        out = super().propose(histories, keys)
+        return [d[: (self.calls + i) % (K + 1)] for i, d in enumerate(out)]
+
+
+@pytest.mark.parametrize("model", ["k3-tiny", "kimi-linear-tiny"])
+def test_verify_steps_of_mixed_draft_counts_run_through_the_static_buffers_and_keep_the_output(make_llm, model):
+    prompts = repetitive_prompts(3, seed=6)
+    plain = run(make_llm(model, max_num_seqs=4), prompts)
+    llm = make_llm(model, static_decode_buffers=True, max_num_seqs=4, speculative_config=NGRAM)
+    llm.engine.spec.proposer = Ragged({tuple(p): o for p, o in zip(prompts, plain)})
+    graphs, ragged = llm.engine.runner.graphs, []
+    run_ = graphs.run
+
+    def counted(inputs, prev=None):
+        ragged.append(inputs.real_tokens is not None)
+        return run_(inputs, prev)
+
+    graphs.run = counted
+    assert run(llm, prompts) == plain
+    assert sum(ragged) >= 3
+    st = llm.engine.stats.spec_decode
+    assert 0 < st.num_accepted_tokens < st.num_draft_tokens
 
 
 @pytest.mark.parametrize("model", ["k3-tiny", "kimi-linear-tiny"])

@@ -1,6 +1,6 @@
 """CUDA graphs for decode steps (docs/ARCHITECTURE.md, "CUDA graphs"): one graph per batch size of a
 ladder, replayed over static input buffers that each step overwrites in place; with speculative decoding
-also one per (batch size, 1 + k) for steps whose rows all verify k drafts.
+also one per (batch size, 1 + k) for steps of verify rows of at most k drafts and decodes.
 
 A graph bakes in the tensors and the host values its forward saw at capture. So every tensor of the
 `Batch` is a view of the buffer below, and the host lists are fixed at capture: query lens all 1, and
@@ -13,7 +13,12 @@ of every pool, so they never touch a real one.
 A verify graph (every row 1 + k tokens) is the same with query lens 1 + k: its MLA layers send each token
 to the decode kernel as a one-token query over the positions up to its own (`DecodeRows`), whose context
 lens the graph derives from the device's per-row lengths; its KDA layers run one verify-kernel call over
-the static slot table. Models with a DSA indexer have no verify graphs: the indexer plans verify rows
+the static slot table. A step whose rows carry different draft counts, or decodes beside verify rows
+(n-gram drafts that match for some requests only, a confidence cut), replays the graph of 1 + its most
+drafts: each shorter row is followed by padding tokens that write only the scratch page, whose states
+go to the row's own later columns (where rejected drafts' would) or, for a decode, to the scratch slot
+while its own state is updated in place (step_inputs.VerifyInputs.of); only the real rows' logits and
+features are gathered. Models with a DSA indexer have no verify graphs: the indexer plans verify rows
 from host values.
 
 The inputs of a step are built once (engine/step_inputs.py) in the layout of the size's static region
@@ -160,8 +165,8 @@ class DecodeGraphs:
     @torch.inference_mode()
     def run(self, inputs: StepInputs, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Run the rows of `inputs` (built padded to a graph's size with prev_len `max_prev`, see ModelRunner);
-        returns the logits of every real token [T, V], a view valid until the next call. `prev_tokens`
-        [<= max_prev] on the device: the ids the rows' sources point into."""
+        returns the logits of every token of the real rows as laid out [rows x tokens, V], a view valid
+        until the next call. `prev_tokens` [<= max_prev] on the device: the ids the rows' sources point into."""
         layout, p = inputs.layout, self.max_prev
         size, w, head = layout.num_seqs, layout.width, layout.table_offset
         key = size, layout.num_tokens // size
@@ -182,13 +187,14 @@ class DecodeGraphs:
         if graph is not None:
             graph.replay()
         else:
-            pad = [key[1]] * (size - len(inputs.context_lens))
+            q = key[1]
+            ctx = [c - n + q for c, n in zip(inputs.context_lens, inputs.query_lens)]  # rows as laid out
             batch = self._batches[key]
-            eager = dataclasses.replace(batch, context_lens=inputs.context_lens + pad)
+            eager = dataclasses.replace(batch, context_lens=ctx + [q] * (size - len(ctx)))
             if key[1] > 1:  # the static rows, not ones rebuilt from the host lists
                 eager.decode_rows, eager.verify_groups = batch.decode_rows, batch.verify_groups
             self._step(key, eager)
-        return self.logits[: sum(inputs.query_lens)]
+        return self.logits[: len(inputs.query_lens) * key[1]]
 
     def _step(self, key: tuple[int, int], batch) -> None:
         size, q = key

@@ -36,12 +36,20 @@ def _wants_prompt_logits(s: ScheduledSeq) -> bool:
 
 
 def _row_tokens(seqs: list[ScheduledSeq]) -> int | None:
-    """The new tokens of every sequence when they are all decodes or all verify rows of one draft count,
-    else None (a step a graph does not cover)."""
-    q = seqs[0].num_new_tokens
-    if any(s.num_new_tokens != q or len(s.draft_ids) != q - 1 for s in seqs):
+    """The tokens per row of the graph a step replays: 1 when every sequence is a decode, 1 + the most
+    drafts when they are decodes and verify rows (the shorter rows padded to it), else None (a step a
+    graph does not cover: prefill chunks)."""
+    q = 1 + max(len(s.draft_ids) for s in seqs)
+    if any(s.num_new_tokens != 1 + len(s.draft_ids) for s in seqs):
         return None
+    if q > 1 and any(not s.draft_ids and (s.fresh or s.end < s.req.num_prompt_tokens) for s in seqs):
+        return None  # a prompt's one-token chunk is not a decode: it runs as a prefill, eagerly
     return q
+
+
+def _row_blocks(seqs: list[ScheduledSeq], q: int, block_size: int) -> int:
+    """The block-table columns the rows read: a row padded to q tokens reads up to position start + q - 1."""
+    return max(max(len(s.req.block_ids), -(-(s.start + q) // block_size)) for s in seqs)
 
 
 class ModelRunner:
@@ -64,7 +72,10 @@ class ModelRunner:
         q = _row_tokens(out.seqs)
         if q is None or any(_wants_prompt_logits(s) for s in out.seqs):
             return False
-        return self.graphs.size_for(len(out.seqs), max(len(s.req.block_ids) for s in out.seqs), q) is not None
+        if any(s.start + q > self.graphs.max_model_len for s in out.seqs):
+            return False  # a short row's padding would run past the positions the model has
+        blocks = _row_blocks(out.seqs, q, self.kv.block_size)
+        return self.graphs.size_for(len(out.seqs), blocks, q) is not None
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, pending: PendingTokens | None = None) -> StepLogits:
@@ -82,7 +93,8 @@ class ModelRunner:
         graphs, kv = self.graphs, self.kv
         if pending is not None and pending.token_ids.numel() > graphs.max_prev:
             pending = pending.only([s.req for s in seqs])  # more sampled rows than the buffer holds
-        longest, q = max(len(s.req.block_ids) for s in seqs), _row_tokens(seqs)
+        q = _row_tokens(seqs)
+        longest = _row_blocks(seqs, q, kv.block_size)
         size = graphs.size_for(len(seqs), longest, q)
         inputs = build_step_inputs(
             seqs, kv.block_size, pending, pad=graphs.padding(size, q),
@@ -97,9 +109,13 @@ class ModelRunner:
         of prompt logits, `graph` whether the inputs are laid out for the decode graphs' static buffers."""
         if graph:
             logits = self.graphs.run(inputs, prev)
-            if len(inputs.sample_rows) < len(inputs.query_lens):  # a 1-token chunk that does not end its prompt
+            feats = None if self.feature_layers is None else self.graphs.features[: logits.shape[0]]
+            if inputs.real_tokens is not None:  # rows padded to the graph's length: their own tokens only
+                logits = logits[to_device(inputs.sample_tokens, torch.long, self.device)]
+                if feats is not None:
+                    feats = feats[to_device(inputs.real_tokens, torch.long, self.device)]
+            elif len(inputs.sample_rows) < len(inputs.query_lens):  # a 1-token chunk that does not end its prompt
                 logits = logits[to_device(inputs.sample_rows, torch.long, self.device)]
-            feats = None if self.feature_layers is None else self.graphs.features[: sum(inputs.query_lens)]
             return StepLogits(inputs.sample_rows, logits, {}, feats)
         v = inputs.layout.views(inputs.flat.to(self.device, non_blocking=True))
         ids = v.input_ids

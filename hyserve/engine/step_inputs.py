@@ -121,12 +121,17 @@ class StepInputs:
     sample_rows: list[int]  # indices into the step's seqs of the sequences that sample a token
     pending: bool  # some id comes from the previous step's device tensor
     verify: VerifyInputs | None = None  # speculative decoding: the step's verify sequences
+    # rows padded to a verify graph's length (None when every row is full): the real tokens' indices in
+    # the laid-out tokens, and those of the sampling sequences' tokens (their logits, in verify order)
+    real_tokens: list[int] | None = None
+    sample_tokens: list[int] | None = None
 
 
 @dataclass(frozen=True)
 class Padding:
-    """Pad a step whose rows all hold `tokens` new tokens (decodes, or verify rows of one draft count) to
-    `rows` rows that run token 0 at positions 0.. into the scratch page and scratch state slot."""
+    """Pad a step whose rows hold at most `tokens` new tokens (decodes, or verify rows) to `rows` rows of
+    `tokens` tokens: shorter rows get padding tokens after their own (writing only the scratch page), and
+    the added rows run token 0 at positions 0.. into the scratch page and scratch state slot."""
 
     rows: int
     scratch_block: int
@@ -147,12 +152,16 @@ def _known_ids(req: Request, start: int, end: int) -> list[int]:
 
 
 class _Rows:
-    """One python pass over a step's sequences: what the vectorized filling needs of each."""
+    """One python pass over a step's sequences: what the vectorized filling needs of each. `row_tokens`: lay
+    every row out as that many tokens (a verify graph's query length), a shorter row (a decode, a verify
+    row with fewer drafts) followed by padding tokens."""
 
-    def __init__(self, seqs: list[ScheduledSeq]):
+    def __init__(self, seqs: list[ScheduledSeq], row_tokens: int | None = None):
         self.q, self.ctx, self.tables, self.slots, self.fresh, self.rows, self.ids = [], [], [], [], [], [], []
         self.pending: list[tuple[int, Request]] = []  # (token index, request) of ids still on the device
         self.verify: list[int] = []  # the verify sequences (speculative decoding)
+        self.real_q: list[int] = []  # each row's own new tokens (self.q: as laid out)
+        self.pad_tokens: list[tuple[int, int]] = []  # (token index, offset in its row) of short rows' padding
         at = 0
         for i, s in enumerate(seqs):
             req, k, start = s.req, s.num_new_tokens, s.start
@@ -174,6 +183,13 @@ class _Rows:
                 self.pending.append((at - 1, req))
             if end == known + req.num_pending:  # the chunk reaches the last token: it samples
                 self.rows.append(i)
+            self.real_q.append(k)
+            if row_tokens is not None and k < row_tokens:
+                if not s.draft_ids:  # a decode among verify rows: a verify row of no drafts (VerifyInputs.of)
+                    self.verify.append(i)
+                self.pad_tokens += [(at + j - k, j) for j in range(k, row_tokens)]
+                self.ids += [0] * (row_tokens - k)
+                at, k = at + row_tokens - k, row_tokens
             self.q.append(k)
             self.ctx.append(start + k)
             self.tables.append(req.block_ids)
@@ -193,10 +209,21 @@ class VerifyInputs:
     logit_counts: list[int]  # logits rows of each sampling sequence: 1 + its drafts
 
     @classmethod
-    def of(cls, seqs: list[ScheduledSeq], r: _Rows) -> VerifyInputs:
-        reqs = [seqs[i].req for i in r.verify]
-        return cls(r.verify, [q.spec_slots for q in reqs], [q.spec_slots.index(q.state_slot) for q in reqs],
-                   [1 + len(seqs[i].draft_ids) for i in r.rows])
+    def of(cls, seqs: list[ScheduledSeq], r: _Rows, pad: Padding | None = None) -> VerifyInputs:
+        """A decode laid out as a verify row (a verify graph's step, `pad` given) reads and writes its state
+        in place through column 0 and sends its padding positions' states to the scratch slot, so it lands
+        as a decode does; a verify row with fewer drafts than the row length writes its padding positions'
+        states into its own later columns, as rejected drafts do."""
+        table, src = [], []
+        for i in r.verify:
+            req = seqs[i].req
+            if seqs[i].draft_ids:
+                table.append(req.spec_slots)
+                src.append(req.spec_slots.index(req.state_slot))
+            else:
+                table.append([req.state_slot] + [pad.scratch_slot] * (pad.spec_width - 1))
+                src.append(0)
+        return cls(r.verify, table, src, [1 + len(seqs[i].draft_ids) for i in r.rows])
 
 
 def _verify_logits(v: StepViews, r: _Rows, spec: VerifyInputs) -> None:
@@ -213,11 +240,12 @@ def build_step_inputs(seqs: list[ScheduledSeq], block_size: int, pending: Pendin
     """The inputs of a step of `seqs`. `pad`: rows added past the real ones (CUDA graphs); `width`: table
     columns (default the longest table); `prev_len`: the previous ids' length in the gather pool (default
     pending's); `sampled`: lay out the logits gather indices; `pin`: a pinned buffer (bound for CUDA)."""
-    r, m = _Rows(seqs), len(seqs)
+    short = pad is not None and pad.tokens > 1 and any(s.num_new_tokens < pad.tokens for s in seqs)
+    r, m = _Rows(seqs, pad.tokens if short else None), len(seqs)
     n = pad.rows if pad is not None else m
     t = n * pad.tokens if pad is not None else r.num_tokens
     w = width or max(map(len, r.tables), default=1) or 1
-    spec = VerifyInputs.of(seqs, r) if r.verify else None
+    spec = VerifyInputs.of(seqs, r, pad) if r.verify else None
     num_logits = (sum(spec.logit_counts) if spec is not None else len(r.rows)) if sampled else 0
     spec_width = pad.spec_width if pad is not None else len(spec.slot_table[0]) if spec is not None else 0
     layout = StepLayout(t, n, num_logits, w, spec_width)
@@ -238,7 +266,17 @@ def build_step_inputs(seqs: list[ScheduledSeq], block_size: int, pending: Pendin
         seq_of = np.repeat(np.arange(m), qa)
         pos = np.repeat(v.context_lens[:m] - qa - v.cu_seqlens[:m], qa) + np.arange(r.num_tokens)
     v.positions[: r.num_tokens] = pos
+    if r.pad_tokens:  # short rows' padding reads pages past the row's own: the scratch page's, never -1
+        need = -(-v.context_lens[:m] // block_size)
+        v.block_tables[:m][(np.arange(w) >= lens[:, None]) & (np.arange(w) < need[:, None])] = pad.scratch_block
     v.slot_mapping[: r.num_tokens] = v.block_tables[seq_of, pos // block_size] * block_size + pos % block_size
+    real_tokens = sample_tokens = None
+    if r.pad_tokens:  # ... and writes only the scratch page
+        at, offset = np.asarray(r.pad_tokens, dtype=np.int64).T
+        v.slot_mapping[at] = pad.scratch_block * block_size + offset
+        q = pad.tokens
+        real_tokens = [i * q + j for i, k in enumerate(r.real_q) for j in range(k)]
+        sample_tokens = [i * q + j for i in r.rows for j in range(r.real_q[i])]
     if spec is not None:
         nv = len(r.verify)
         v.spec_slots[:nv], v.spec_src[:nv] = spec.slot_table, spec.src
@@ -255,7 +293,8 @@ def build_step_inputs(seqs: list[ScheduledSeq], block_size: int, pending: Pendin
         if pending is None or req not in pending.rows:
             raise RuntimeError(f"request {req.request_id}: a scheduled token's id is not known")
         v.id_sources[at] = pending.rows[req]
-    return StepInputs(flat, layout, r.q, r.ctx, r.rows, bool(r.pending), spec)
+    return StepInputs(flat, layout, r.real_q, [c - q + k for c, q, k in zip(r.ctx, r.q, r.real_q)], r.rows,
+                      bool(r.pending), spec, real_tokens, sample_tokens)
 
 
 def _pad(v: StepViews, m: int, num_tokens: int, pad: Padding, block_size: int) -> None:

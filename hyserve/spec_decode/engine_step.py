@@ -19,7 +19,7 @@ import torch
 
 from hyserve.engine.sampler import grammar_mask
 from hyserve.spec_decode.config import SpeculativeConfig
-from hyserve.spec_decode.ngram import NgramProposer
+from hyserve.spec_decode.ngram import NgramProposer, TokenHistory
 from hyserve.spec_decode.reference_loop import SpecStats
 from hyserve.spec_decode.rejection import RejectionOutput, rejection_sample
 from hyserve.spec_decode.target_probs import SpecRequest
@@ -65,7 +65,11 @@ class SpecDecoder:
         if not self.scheduler.speculating():  # under load (disable_by_batch_size) nothing drafts
             return
         k = self.config.num_speculative_tokens
-        for r, drafts in zip(live, self.proposer.propose([r.all_token_ids for r in live])):
+        known = (*self.scheduler.running, *self.scheduler.waiting)
+        if len(self.proposer) > len(known):  # indexes of requests that finished or were aborted meanwhile
+            self.proposer.retain(r.request_id for r in (*known, *live))
+        histories = [TokenHistory(r.prompt_token_ids, r.output_token_ids) for r in live]
+        for r, drafts in zip(live, self.proposer.propose(histories, [r.request_id for r in live])):
             if self.synthetic is not None:  # the curve judges no draft: every step verifies k (the AgentX runs')
                 last = r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1]
                 drafts = list(drafts) + [last] * (k - len(drafts))

@@ -5,20 +5,64 @@ tokens occur earlier in the history (prompt and output); propose up to k tokens 
 earlier occurrence, never past the end of the history or the model length. Among occurrences of that
 longest n the earliest wins, as vLLM's matcher picks it (its tests: "always pick the first one").
 
-The whole batch is matched at once: histories are padded into one [B, L] tensor and a match of the
-last n tokens ending at position e is built up one n at a time, M_n[e] = M_(n-1)[e] and
-(t[e-n+1] == t[T-n]), so the cost is max_n elementwise passes over the padded history.
+Each request keeps an index: for every n in range, the n-grams of its history mapped to the position
+where their earliest occurrence ends, over the occurrences that have a token after them. A history only
+grows, so a step indexes the positions its new tokens completed and looks up the suffix once per n:
+O(new tokens x n range) host work, where matching over the whole history cost O(length) every step
+(3.8 ms a step for 32 requests of 400 tokens, a verify step the GPU waits for).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
-import torch
-import torch.nn.functional as F
 
-_PAD = -1  # after a history's end
-_BEFORE = -2  # before its start (never equal to a token or to _PAD)
+class TokenHistory:
+    """A request's prompt and output tokens read as one sequence, without concatenating them."""
+
+    def __init__(self, prompt: Sequence[int], output: Sequence[int]):
+        self.prompt, self.output = prompt, output
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def __getitem__(self, s: slice) -> list[int]:
+        start, stop, _ = s.indices(len(self))
+        p = len(self.prompt)
+        head = list(self.prompt[start : min(stop, p)]) if start < p else []
+        return head + list(self.output[max(start - p, 0) : max(stop - p, 0)])
+
+
+class _Index:
+    """n -> {n-gram: end of its earliest occurrence} over the ends 0 .. indexed - 1."""
+
+    def __init__(self, sizes: range):
+        self.sizes, self.indexed = sizes, 0
+        self.first: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in sizes}
+
+    def extend(self, history: Sequence[int]) -> None:
+        """Index every end that now has a token after it (ends up to len - 2)."""
+        last = len(history) - 2
+        if last < self.indexed:
+            return
+        lo = max(self.indexed - self.sizes.stop + 2, 0)
+        window = history[lo : last + 1]
+        for e in range(self.indexed, last + 1):
+            for n in self.sizes:
+                if e - n + 1 >= 0:
+                    self.first[n].setdefault(tuple(window[e - n + 1 - lo : e + 1 - lo]), e)
+        self.indexed = last + 1
+
+    def start(self, history: Sequence[int]) -> int | None:
+        """Where the proposal starts (after the longest, earliest match of the suffix), or None."""
+        t = len(history)
+        tail = history[max(t - self.sizes.stop + 1, 0) : t]
+        for n in reversed(self.sizes):
+            if t >= n + 1:
+                e = self.first[n].get(tuple(tail[len(tail) - n :]))
+                if e is not None:
+                    return e + 1
+        return None
 
 
 class NgramProposer:
@@ -28,46 +72,34 @@ class NgramProposer:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
         self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
         self.k, self.max_model_len = num_speculative_tokens, max_model_len
+        self._indexes: dict[Hashable, tuple[_Index, int]] = {}  # key -> its index and the length it saw
 
-    def propose(self, histories: Sequence[Sequence[int]]) -> list[list[int]]:
-        """Drafts for each history (prompt + output tokens so far); [] where nothing matches."""
-        if not histories:
-            return []
-        lens = torch.tensor([len(h) for h in histories], dtype=torch.long)
-        width = max(int(lens.max()), 1)
-        tokens = torch.full((len(histories), width), _PAD, dtype=torch.long)
-        for i, h in enumerate(histories):
-            if h:
-                tokens[i, : len(h)] = torch.as_tensor(h, dtype=torch.long)
-        start, n = self.match(tokens, lens)
-        budget = torch.clamp(torch.minimum(self.max_model_len - lens, torch.full_like(lens, self.k)), min=0)
+    def propose(self, histories: Sequence[Sequence[int]], keys: Sequence[Hashable] | None = None) -> list[list[int]]:
+        """Drafts for each history (prompt + output tokens so far, as a list or a `TokenHistory`); [] where
+        nothing matches. With `keys` (request ids) each history's index is kept and extended at the next
+        call with the same key; a history shorter than the one a key saw is indexed again."""
         out = []
         for i, h in enumerate(histories):
-            s, count = int(start[i]), int(budget[i])
-            out.append(list(h[s : s + count]) if n[i] > 0 and count > 0 else [])
+            index = self._index(h, None if keys is None else keys[i])
+            count = min(self.k, self.max_model_len - len(h))
+            start = index.start(h) if count > 0 else None
+            out.append(h[start : start + count] if start is not None else [])
         return out
 
-    def match(self, tokens: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """For padded histories [B, L] of lengths [B]: (index where the proposal starts, matched n;
-        n is 0 where no n in range matches)."""
-        b, width = tokens.shape
-        ends = torch.arange(width).unsqueeze(0)  # e: where an earlier occurrence ends
-        # an occurrence must leave at least one token after it before the history's end
-        room = ends <= (lens - 2).unsqueeze(1)
-        live = torch.ones(b, width, dtype=torch.bool)
-        best_n = torch.zeros(b, dtype=torch.long)
-        best_start = torch.zeros(b, dtype=torch.long)
-        rows = torch.arange(b)
-        for n in range(1, self.max_n + 1):
-            has_n = lens >= n + 1
-            want = tokens[rows, (lens - n).clamp(min=0)]  # t[T-n]
-            shifted = F.pad(tokens, (n - 1, 0), value=_BEFORE)[:, :width]  # t[e-n+1] at e
-            live &= shifted == want.unsqueeze(1)
-            if n < self.min_n:
-                continue
-            found = live & room & has_n.unsqueeze(1)
-            hit = found.any(dim=1)
-            first = found.int().argmax(dim=1)  # the earliest end, i.e. the earliest occurrence
-            best_n = torch.where(hit, n, best_n)
-            best_start = torch.where(hit, first + 1, best_start)
-        return best_start, best_n
+    def _index(self, history: Sequence[int], key: Hashable | None) -> _Index:
+        kept = self._indexes.get(key) if key is not None else None
+        index = kept[0] if kept is not None and kept[1] <= len(history) else _Index(range(self.min_n, self.max_n + 1))
+        index.extend(history)
+        if key is not None:
+            self._indexes[key] = (index, len(history))
+        return index
+
+    def retain(self, keys: Iterable[Hashable]) -> None:
+        """Drop the indexes of every key not in `keys` (finished or aborted requests)."""
+        keep = set(keys)
+        for key in [k for k in self._indexes if k not in keep]:
+            del self._indexes[key]
+
+    def __len__(self) -> int:
+        """How many requests' indexes are kept."""
+        return len(self._indexes)

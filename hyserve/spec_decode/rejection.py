@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from hyserve.engine.sampler import Sampler, _exponential_race, _logprob_stats
+from hyserve.models.batch import to_device
 from hyserve.spec_decode.target_probs import SpecRequest, process_logits, row_metadata, row_requests
 
 REJECTED = -1  # padding of output_token_ids past a request's emitted tokens (vLLM's PLACEHOLDER_TOKEN_ID)
@@ -33,6 +34,7 @@ REJECTED = -1  # padding of output_token_ids past a request's emitted tokens (vL
 
 @dataclass
 class RejectionOutput:
+    # on the host, the three of them (the engine lands them token by token)
     output_token_ids: Tensor  # [B, K+1] long: accepted drafts, then the correction/bonus token; REJECTED after
     num_accepted: Tensor  # [B] long: drafts accepted (each request emits num_accepted + 1 tokens)
     emitted_rows: Tensor  # [E] long: the target row of each emitted token, requests in order
@@ -131,15 +133,44 @@ def _recovered(requests, proc, draft_probs: Tensor | None, lay: _Layout, rows: T
     return out
 
 
-def synthetic_acceptance(requests: Sequence[SpecRequest], rates: Sequence[float], lay: _Layout) -> Tensor:
+def synthetic_acceptance(requests: Sequence[SpecRequest], rates: Sequence[float], draft_pos: Tensor) -> Tensor:
     """[N] bool for a fixed acceptance curve (benchmarks only: the drafts are not judged at all).
     rates[j] is the probability that drafts 0..j are all accepted, so draft j passes with
-    rates[j] / rates[j-1] given the ones before it."""
+    rates[j] / rates[j-1] given the ones before it. draft_pos [N]: each draft's position in its request."""
     prev = [1.0] + list(rates[:-1])
     cond = [r / p if p > 0 else 0.0 for r, p in zip(rates, prev)]
-    table = torch.tensor(cond + [0.0], dtype=torch.float64, device=lay.draft_ids.device)
-    u = draft_uniforms(requests, lay.draft_ids.device)
-    return u < table[lay.draft_pos.clamp(max=len(cond))]
+    table = to_device(cond + [0.0], torch.float64, draft_pos.device)
+    u = draft_uniforms(requests, draft_pos.device)
+    return u < table[draft_pos.clamp(max=len(cond))]
+
+
+def _greedy_output(proc, requests: Sequence[SpecRequest], synthetic_rates: Sequence[float] | None) -> RejectionOutput:
+    """Every request greedy and none asking for logprobs: each emitted token is the argmax of its processed
+    row (a correction, a bonus, or after the curve's stop in synthetic mode), so one argmax over the rows
+    and one read-back decide the step; the general path reads back three to five times and builds its
+    bookkeeping on the device (about 2 ms of host time a step at batch 1 on an H200)."""
+    ids = proc.greedy_logits.argmax(dim=-1)
+    k = [len(r.draft_token_ids) for r in requests]
+    if synthetic_rates is None:
+        best, passed = ids.tolist(), None
+    else:
+        pos = to_device([j for n in k for j in range(n)], torch.long, ids.device)
+        both = torch.cat([ids, synthetic_acceptance(requests, synthetic_rates, pos).long()]).tolist()
+        best, passed = both[: ids.shape[0]], both[ids.shape[0] :]
+    width = max(k, default=0) + 1
+    rows_out, accepted, emitted_rows, start, at = [], [], [], 0, 0
+    for r, n in zip(requests, k):
+        m = 0
+        while m < n and (r.draft_token_ids[m] == best[start + m] if passed is None else passed[at + m]):
+            m += 1
+        tokens = list(r.draft_token_ids[:m]) + [best[start + m]]
+        rows_out.append(tokens + [REJECTED] * (width - len(tokens)))
+        accepted.append(m)
+        emitted_rows.extend(range(start, start + m + 1))
+        start, at = start + n + 1, at + n
+    return RejectionOutput(torch.tensor(rows_out, dtype=torch.long).view(len(requests), width),
+                           torch.tensor(accepted, dtype=torch.long), torch.tensor(emitted_rows, dtype=torch.long),
+                           None, None, None, None)
 
 
 def rejection_sample(
@@ -157,29 +188,32 @@ def rejection_sample(
         raise ValueError(f"target_logits has {target_logits.shape[0]} rows; the drafts need {len(rows)}")
     meta = row_metadata(requests, rows, dev, eos_token_ids, vocab_size)
     proc = process_logits(target_logits, meta, allowed_token_mask)
+    if meta.all_greedy and proc.raw_logprobs is None:
+        return _greedy_output(proc, requests, synthetic_rates)
     lay = _Layout.of(requests, dev)
     if synthetic_rates is None:
         accept = _acceptance(requests, proc, draft_probs, lay)
     else:
-        accept = synthetic_acceptance(requests, synthetic_rates, lay)
+        accept = synthetic_acceptance(requests, synthetic_rates, lay.draft_pos)
     accepted = _accepted_prefix(accept, lay, len(requests))
     m = accepted.tolist()
     final = _final_tokens(target_logits, requests, proc, draft_probs, lay, m, synthetic_rates is not None,
                           eos_token_ids, allowed_token_mask, vocab_size, sampler or Sampler())
-    out = torch.full((len(requests), max(lay.num_drafts, default=0) + 1), REJECTED, dtype=torch.long, device=dev)
-    emitted_rows, emitted = [], []
+    width = max(lay.num_drafts, default=0) + 1
+    emitted_rows, emitted, rows_out = [], [], []
     drafts = lay.draft_ids.tolist()
     for i, (start, offset) in enumerate(zip(lay.starts, lay.offsets)):
         tokens = drafts[offset : offset + m[i]] + [final[i]]
         emitted_rows.extend(range(start, start + m[i] + 1))
         emitted.extend(tokens)
-        out[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-    rows_t = torch.tensor(emitted_rows, dtype=torch.long, device=dev)
+        rows_out.append(tokens + [REJECTED] * (width - len(tokens)))
+    out = torch.tensor(rows_out, dtype=torch.long).view(len(requests), width)
+    num_accepted, rows_t = torch.tensor(m, dtype=torch.long), torch.tensor(emitted_rows, dtype=torch.long)
     if proc.raw_logprobs is None:
-        return RejectionOutput(out, accepted, rows_t, None, None, None, None)
-    ids = torch.tensor(emitted, dtype=torch.long, device=dev)
-    stats = _logprob_stats(proc.raw_logprobs[rows_t], ids, meta.max_num_logprobs)
-    return RejectionOutput(out, accepted, rows_t, *stats)
+        return RejectionOutput(out, num_accepted, rows_t, None, None, None, None)
+    ids = to_device(emitted, torch.long, dev)
+    stats = _logprob_stats(proc.raw_logprobs[to_device(emitted_rows, torch.long, dev)], ids, meta.max_num_logprobs)
+    return RejectionOutput(out, num_accepted, rows_t, *stats)
 
 
 def _final_tokens(target_logits, requests, proc, draft_probs, lay: _Layout, m: list[int], synthetic: bool,

@@ -49,7 +49,10 @@ def row_metadata(
 ) -> SamplingMetadata:
     """SamplingMetadata with one row per (request, position): outputs extended by the draft prefix."""
     reqs = [requests[i] for i, _ in rows]
-    outputs = [list(r.output_token_ids) + list(r.draft_token_ids[:j]) for r, (_, j) in zip(reqs, rows)]
+    if any(r.params.has_penalties or r.params.min_tokens for r in reqs):
+        outputs = [list(r.output_token_ids) + list(r.draft_token_ids[:j]) for r, (_, j) in zip(reqs, rows)]
+    else:  # nothing reads them: copying every row's history would cost O(rows x output length) per step
+        outputs = [()] * len(reqs)
     return SamplingMetadata.build(
         [r.params for r in reqs], outputs, [r.prompt_token_ids for r in reqs], [r.generator for r in reqs],
         device, eos_token_ids, vocab_size,
