@@ -77,22 +77,28 @@ def run_batch(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[floa
 
 
 def profile_batch(llm: LLM, prompts: list[list[int]], output_len: int) -> None:
-    """One more pass under torch.profiler: the wall time per engine step against the GPU's kernel time
-    per step (the rest is host time the GPU waits for), and the kernels by GPU time."""
+    """Two more passes under torch.profiler, the batch's prompts with 1 and with output_len output tokens:
+    their difference is the decode (or verify) steps alone, prefill left out. Prints the GPU kernel time
+    per step (against the step's wall time, unprofiled: TPOT x tokens per step) and the kernels by time."""
     from torch.profiler import ProfilerActivity, profile
 
     counts = llm.engine.stats.steps.steps  # the engine's own step counters (hyserve:engine_steps)
-    before = sum(counts.values())
-    t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        run_batch(llm, prompts, output_len)
-    wall = time.perf_counter() - t0
-    ka = prof.key_averages()
-    gpu = sum(e.self_device_time_total for e in ka) / 1e3
-    n = max(sum(counts.values()) - before, 1)
-    print(f"  profile: {n} steps, wall {wall * 1e3 / n:.2f} ms a step (under the profiler), "
-          f"GPU kernels {gpu / n:.2f} ms a step", flush=True)
-    print(ka.table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=60), flush=True)
+    passes = []
+    for n in (1, output_len):
+        before = sum(counts.values())
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            run_batch(llm, prompts, n)
+        kernels: dict[str, float] = {}
+        for e in prof.key_averages():
+            if e.self_device_time_total > 0:
+                kernels[e.key] = kernels.get(e.key, 0.0) + e.self_device_time_total / 1e3
+        passes.append((sum(counts.values()) - before, kernels))
+    (s0, k0), (s1, k1) = passes
+    steps = max(s1 - s0, 1)
+    per = {name: (t - k0.get(name, 0.0)) / steps for name, t in k1.items()}
+    print(f"  profile: {steps} steps after the first token; GPU kernels {sum(per.values()):.3f} ms a step", flush=True)
+    for name, ms in sorted(per.items(), key=lambda x: -x[1])[:16]:
+        print(f"    {ms:8.3f} ms  {name[:90]}", flush=True)
 
 
 def measure(args, spec: dict | None) -> tuple[dict[int, float], dict[int, float | None], dict[int, list]]:
