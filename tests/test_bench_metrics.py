@@ -195,7 +195,10 @@ class TestClient:
         assert r.success, r.error
         assert r.output_len == 5 and r.prompt_len == 40 and r.cached_tokens == 0
         assert len(r.itl) == 4
-        assert r.ttft >= 0.05 and all(g >= 0.009 for g in r.itl)
+        # each gap measured as its chunk arrived (a buffered read would time them ~0 apart); one late
+        # arrival under a loaded host shortens the gap after it, so the bound is on each gap's presence
+        # and on their sum, not on every gap's 10 ms
+        assert r.ttft >= 0.05 and all(g >= 0.003 for g in r.itl) and sum(r.itl) >= 0.036
         assert r.latency == pytest.approx(r.ttft + sum(r.itl), abs=0.01)
         body = srv.state.requests[0]
         assert body["prompt"] == list(range(40, 80)) and body["max_tokens"] == 5
