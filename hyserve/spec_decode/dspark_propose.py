@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from hyserve.engine.sampler import _exponential_race
+from hyserve.models.batch import to_device
 from hyserve.sampling_params import SAMPLING_EPS
 from hyserve.spec_decode.dspark import DSparkDrafter
 from hyserve.spec_decode.dspark_rows import RowStore, destinations, gather_rows, host_to_device, width_bucket
@@ -42,10 +42,11 @@ def draft_block(drafter: DSparkDrafter, hidden: Tensor, anchors: Tensor, num_dra
     of the token before (the anchor first) to the base logits, then draw (argmax for greedy rows,
     softmax at the request's temperature otherwise). temperatures None: every row greedy."""
     temps = [0.0] * hidden.shape[0] if temperatures is None else list(temperatures)
-    sampled = [i for i, t in enumerate(temps) if t >= SAMPLING_EPS]
     base = drafter.base_logits(hidden[:, :num_drafts])
-    if sampled:
-        tokens, probs = _sampled_loop(drafter, base, anchors, temps, sampled, generators)
+    if any(t >= SAMPLING_EPS for t in temps):
+        noise = torch.empty_like(base)
+        draw_noise(noise, temps, generators)
+        tokens, probs = sampled_loop(drafter, base, anchors, to_device(temps, torch.float32, base.device), noise)
     else:  # nothing reads the one-hot rows of greedy drafts (rejection sampling takes None as one-hot)
         tokens, probs = greedy_loop(drafter, base, anchors), None
     # confidence j reads h_j and the token before draft j: all of them are known once the loop ends
@@ -63,24 +64,35 @@ def greedy_loop(drafter: DSparkDrafter, base: Tensor, anchors: Tensor) -> Tensor
     return torch.stack(tokens, 1)
 
 
-def _sampled_loop(drafter: DSparkDrafter, base: Tensor, anchors: Tensor, temps: list[float], sampled: list[int],
-                  generators: Sequence[torch.Generator | None] | None) -> tuple[Tensor, Tensor]:
-    """([B, k] drafts, [B, k, V] the distribution each was drawn from: one-hot for the greedy rows)."""
-    pick = torch.tensor(sampled, device=base.device)
-    t_rows = torch.tensor([max(temps[i], SAMPLING_EPS) for i in sampled], device=base.device).unsqueeze(1)
-    gens = {n: generators[i] for n, i in enumerate(sampled)
-            if generators and i < len(generators) and generators[i] is not None}
+def draw_noise(noise: Tensor, temps: Sequence[float], generators: Sequence[torch.Generator | None] | None) -> None:
+    """Fill noise [B, k, V] with Exp(1) draws for the exponential race of the sampled rows (row i of
+    temps >= SAMPLING_EPS): a seeded row's from its own generator, so its drafts do not depend on the rest
+    of the batch; rows past temps (padding) and greedy rows from the global generator or not at all."""
+    seeded = {i: g for i, g in enumerate(generators or ()) if g is not None and i < len(temps) and temps[i] >= SAMPLING_EPS}
+    if len(seeded) < noise.shape[0]:
+        noise.exponential_()
+    for i, g in seeded.items():
+        noise[i].exponential_(generator=g)
+
+
+def sampled_loop(drafter: DSparkDrafter, base: Tensor, anchors: Tensor, temps: Tensor,
+                 noise: Tensor) -> tuple[Tensor, Tensor]:
+    """([B, k] drafts, [B, k, V] the distribution each was drawn from: one-hot for the greedy rows, temps
+    [B] < SAMPLING_EPS). Row i's draft j is argmax(q / E) over noise[i, j] = E ~ Exp(1), which draws
+    from q; nothing reads back to the host, so it can be captured."""
+    sampled = (temps >= SAMPLING_EPS).unsqueeze(1)
+    t = temps.clamp_min(SAMPLING_EPS).unsqueeze(1).to(base.dtype)
+    tiny = torch.finfo(noise.dtype).tiny  # an exact 0 draw would make 0/0 = NaN on a masked token
     prev, tokens, probs = anchors, [], []
     for j in range(base.shape[1]):
         logits = base[:, j] + drafter.markov_bias(prev)
-        token = logits.argmax(dim=-1)
-        q = torch.nn.functional.one_hot(token, logits.shape[-1]).float()
-        q_s = (logits[pick] / t_rows).softmax(dim=-1)
-        token[pick] = _exponential_race(q_s, gens)
-        q[pick] = q_s
-        tokens.append(token)
-        probs.append(q)
-        prev = token
+        greedy = logits.argmax(dim=-1)
+        q = (logits / t).softmax(dim=-1)
+        race = (q / noise[:, j].clamp_min(tiny)).argmax(dim=-1)
+        prev = torch.where(sampled.squeeze(1), race, greedy)
+        one_hot = torch.nn.functional.one_hot(greedy, logits.shape[-1]).to(q.dtype)
+        tokens.append(prev)
+        probs.append(torch.where(sampled, q, one_hot))
     return torch.stack(tokens, 1), torch.stack(probs, 1)
 
 
@@ -180,9 +192,9 @@ class DSparkProposer:
             raise ValueError("a request needs the target features of at least one token before drafting")
         lens = [s.n for s in stores]
         greedy = temperatures is None or all(t < SAMPLING_EPS for t in temperatures)
-        key = self.graphs.key_for(len(stores), max(lens)) if self.graphs is not None and greedy else None
+        key = None if self.graphs is None else self.graphs.key_for(len(stores), max(lens), sampled=not greedy)
         if key is not None:
-            return self.graphs.draft(stores, anchors, key)
+            return self.graphs.draft(stores, anchors, key, None if greedy else temperatures, generators)
         dev = self.drafter.fc.weight.device
         host = [lens, [s.first + s.n for s in stores]]
         on_host = anchors.device.type == "cpu"

@@ -10,8 +10,8 @@ after rejection sampling. The rows a step adds are computed in one drafter call 
 once the rows of every token before its last one exist; the step's drafting needs one host-to-device
 copy (lengths, positions, anchors) and one read-back (the drafts, with the verified counts under a
 confidence threshold). With CUDA graphs on, `capture_graphs` gives the proposer `DSparkGraphs`, and
-greedy blocks replay them; sampled blocks and the rows' drafter call run eagerly; paged drafter rows are
-still to come. A prefix hit skips the target features of its cached tokens: such a request drafts from the
+drafting blocks replay them (sampled ones under draft_sample_method "probabilistic"); the rows' drafter
+call runs eagerly; paged drafter rows are still to come. A prefix hit skips the target features of its cached tokens: such a request drafts from the
 context computed after the hit (fewer drafts accepted on long shared prefixes, the same output).
 """
 
@@ -68,15 +68,16 @@ class DSparkDecoder(SpecDecoder):
         return logits
 
     def capture_graphs(self, max_batch: int) -> None:
-        """Greedy drafting through `DSparkGraphs`: batch sizes up to the largest batch that still speculates
-        (and MAX_VERIFY_SEQS, the verify graphs' bound), widths up to max_model_len's bucket."""
+        """Drafting through `DSparkGraphs` (sampled drafting too under draft_sample_method "probabilistic"):
+        batch sizes up to the largest batch that still speculates (and MAX_VERIFY_SEQS, the verify graphs'
+        bound), widths up to max_model_len's bucket."""
         cap = min(max_batch, MAX_VERIFY_SEQS, (self.config.disable_by_batch_size or max_batch + 1) - 1)
         drafter = self.proposer.drafter
         max_rows = None  # on CUDA: a quarter of what the cache left, like the MLP segment graphs
         if drafter.fc.weight.is_cuda:
             max_rows = torch.cuda.mem_get_info(drafter.fc.weight.device)[0] // 4 // bytes_per_row(drafter)
         graphs = DSparkGraphs(drafter, self.proposer.k, graph_batch_sizes(cap), width_ladder(self.max_model_len),
-                              max_rows)
+                              max_rows, sampled=self.config.draft_sample_method == "probabilistic")
         graphs.capture()
         self.proposer.graphs = graphs
 

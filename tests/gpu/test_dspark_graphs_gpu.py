@@ -1,4 +1,4 @@
-"""The DSpark drafter's greedy step on a GPU (spec_decode/dspark_graphs.py, dspark_propose.py): the replayed
+"""The DSpark drafter's drafting step (greedy and sampled) on a GPU (spec_decode/dspark_graphs.py, dspark_propose.py): the replayed
 graphs draft what the eager proposer drafts, the eager step makes no host round trip before its one
 read-back, and an engine with graphs replays them and keeps plain decoding's greedy output.
 tests/test_dspark_graphs.py checks the static buffers on the CPU."""
@@ -39,13 +39,34 @@ def test_replayed_drafter_graphs_draft_what_the_eager_proposer_drafts(cuda_pair)
     target, drafter = cuda_pair
     graphs = DSparkGraphs(drafter, 3, [1, 2, 4], width_ladder(400))
     graphs.capture()
-    assert set(graphs.graphs) == {(b, w) for b in (1, 2, 4) for w in (128, 256, 512)}
+    assert set(graphs.graphs) == {(b, w, False) for b in (1, 2, 4) for w in (128, 256, 512)}
     for lengths in ([300, 20, 140], [5], [2, 9, 60, 130]):  # the first leaves rows the later ones must not see
         proposer, anchors = filled(target, drafter, lengths, seed=len(lengths))
         eager = proposer.propose([f"r{i}" for i in range(len(lengths))], anchors)
         proposer.graphs = graphs
         replayed = proposer.propose([f"r{i}" for i in range(len(lengths))], anchors)
         assert torch.equal(replayed.token_ids, eager.token_ids)
+        torch.testing.assert_close(replayed.confidence, eager.confidence, rtol=0, atol=1e-5)
+
+
+def seeded(seeds: list[int | None]) -> list[torch.Generator | None]:
+    return [None if s is None else torch.Generator("cuda").manual_seed(s) for s in seeds]
+
+
+def test_replayed_sampled_drafter_graphs_draw_what_the_eager_proposer_draws_from_the_same_seeds(cuda_pair):
+    target, drafter = cuda_pair
+    graphs = DSparkGraphs(drafter, 3, [1, 2, 4], width_ladder(400), sampled=True)
+    graphs.capture()
+    assert {(b, w, True) for b in (1, 2, 4) for w in (128, 256, 512)} <= set(graphs.graphs)
+    temps = [0.9, 0.0, 1.2]
+    for lengths in ([300, 20, 140], [2, 9, 60]):  # the first leaves rows and noise the second must not see
+        proposer, anchors = filled(target, drafter, lengths, seed=len(lengths) + sum(lengths))
+        rids = [f"r{i}" for i in range(len(lengths))]
+        eager = proposer.propose(rids, anchors, temps, seeded([5, None, 8]))
+        proposer.graphs = graphs
+        replayed = proposer.propose(rids, anchors, temps, seeded([5, None, 8]))
+        assert torch.equal(replayed.token_ids, eager.token_ids)
+        torch.testing.assert_close(replayed.probs, eager.probs, rtol=0, atol=1e-5)
         torch.testing.assert_close(replayed.confidence, eager.confidence, rtol=0, atol=1e-5)
 
 
@@ -74,7 +95,7 @@ def test_an_engine_with_graphs_replays_the_drafter_graphs_and_keeps_the_greedy_o
     plain = run(LLM("k3-tiny", enforce_eager=True, **kw), prompts)
     llm = LLM("k3-tiny", speculative_config=spec, **kw)
     graphs = llm.engine.spec.proposer.graphs
-    assert graphs.graphs and set(graphs.graphs) == {(b, w) for b in graphs.batch_sizes for w in graphs.widths}
+    assert graphs.graphs and set(graphs.graphs) == {(b, w, False) for b in graphs.batch_sizes for w in graphs.widths}
     replays, original = [], graphs.draft
     graphs.draft = lambda *a: replays.append(a[2]) or original(*a)
     assert run(llm, prompts) == plain
