@@ -484,7 +484,7 @@ def gemv_rows(ceil, gen) -> list[str]:
 
 
 def router_rows(ceil, gen) -> list[str]:
-    """The 48B router (256 experts x 2304, fp32 weight) at 1 and 4 tokens: `router_fused` (partial logits over
+    """The 48B router (256 experts x 2304, fp32 weight) at 1, 4, 5 and 8 tokens (5, 8: verify steps of 4, 7 drafts): `router_fused` (partial logits over
     a grid of weight tiles, then the selection kernel) against the cast + cuBLAS GEMV + selection kernel, 26
     layers' weights in one graph."""
     from hyserve.ops.router_topk import route_topk_fast, router_fused
@@ -492,7 +492,7 @@ def router_rows(ceil, gen) -> list[str]:
     rows = []
     ws = [torch.randn(256, 2304, device="cuda", generator=gen) * 0.02 for _ in range(26)]
     bias = torch.randn(256, device="cuda", generator=gen) * 0.01
-    for t in (1, 4):
+    for t in (1, 4, 5, 8):
         x = torch.randn(t, 2304, device="cuda", generator=gen).to(torch.bfloat16)
         old = time_graph_ms(lambda: [route_topk_fast(x.float() @ w.t(), bias, 8, True, 2.446) for w in ws], 10) / 26
         best = None

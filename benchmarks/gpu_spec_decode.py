@@ -88,17 +88,21 @@ def profile_batch(llm: LLM, prompts: list[list[int]], output_len: int) -> None:
         before = sum(counts.values())
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             run_batch(llm, prompts, n)
-        kernels: dict[str, float] = {}
+        kernels: dict[str, tuple[float, int]] = {}
         for e in prof.key_averages():
             if e.self_device_time_total > 0:
-                kernels[e.key] = kernels.get(e.key, 0.0) + e.self_device_time_total / 1e3
+                ms, n = kernels.get(e.key, (0.0, 0))
+                kernels[e.key] = ms + e.self_device_time_total / 1e3, n + e.count
         passes.append((sum(counts.values()) - before, kernels))
     (s0, k0), (s1, k1) = passes
     steps = max(s1 - s0, 1)
-    per = {name: (t - k0.get(name, 0.0)) / steps for name, t in k1.items()}
-    print(f"  profile: {steps} steps after the first token; GPU kernels {sum(per.values()):.3f} ms a step", flush=True)
-    for name, ms in sorted(per.items(), key=lambda x: -x[1])[:16]:
-        print(f"    {ms:8.3f} ms  {name[:90]}", flush=True)
+    per = {name: ((t - k0.get(name, (0.0, 0))[0]) / steps, (n - k0.get(name, (0.0, 0))[1]) / steps)
+           for name, (t, n) in k1.items()}
+    total, launches = sum(ms for ms, _ in per.values()), sum(n for _, n in per.values())
+    print(f"  profile: {steps} steps after the first token; GPU kernels {total:.3f} ms a step in {launches:.0f} "
+          "launches", flush=True)
+    for name, (ms, n) in sorted(per.items(), key=lambda x: -x[1][0])[:40]:
+        print(f"    {ms:8.3f} ms  {n:6.1f} x  {name[:90]}", flush=True)
 
 
 def measure(args, spec: dict | None) -> tuple[dict[int, float], dict[int, float | None], dict[int, list]]:

@@ -26,6 +26,21 @@ def test_a_step_with_verify_rows_of_two_lengths_and_decodes_equals_the_reference
     assert rel_err(fast_cache.conv, ref_cache.conv) < 1e-6  # copies of the inputs
 
 
+def test_a_step_of_verify_rows_of_one_length_runs_one_call_on_the_step_tensors_and_equals_the_reference(
+        monkeypatch):
+    """The verify graphs' case: every row verifies 1 + k tokens, each from a column that is also one of
+    its tokens' destinations (the conv windows must be read before they are overwritten)."""
+    layer = kda_layer("k3-tiny", torch.float32, "cpu", seed=9)
+    step = [("verify", 3, 1, False), ("verify", 3, 2, False), ("verify", 3, 0, False)]
+    x, batch, cache = verify_step(layer, torch.float32, "cpu", seed=10, step=step)
+    assert [g.whole_step for g in batch.verify_groups] == [True]
+    ref, ref_cache, out, fast_cache, calls = run_both(layer, x, batch, cache, monkeypatch)
+    assert calls == {("verify", 3): 1}
+    assert rel_err(out, ref) < 1e-5
+    assert rel_err(fast_cache.recurrent, ref_cache.recurrent) < 1e-5
+    assert torch.equal(fast_cache.conv, ref_cache.conv)  # copies of the inputs
+
+
 def test_bf16_projections_and_conv_pool(monkeypatch):
     """The model dtype as served: the conv leaves in bf16 on both paths, the states stay fp32."""
     layer = kda_layer("kimi-linear-tiny", torch.bfloat16, "cpu", seed=3)
@@ -44,6 +59,7 @@ def test_the_verify_groups_are_built_from_host_lengths():
     cu = batch.cu_seqlens_host
     groups = {g.tokens: g for g in batch.verify_groups}
     assert sorted(groups) == [2, 3] and batch.prefill_seqs == []
+    assert not any(g.whole_step for g in groups.values())  # decodes between them
     by_len = {t: [i for i, (kind, q, _, _) in enumerate(STEP) if kind == "verify" and q == t] for t in (2, 3)}
     for t, g in groups.items():
         seqs = by_len[t]

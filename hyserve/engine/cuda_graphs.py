@@ -139,7 +139,7 @@ class DecodeGraphs:
         tokens = torch.arange(size * q, device=dev)
         seqs = torch.arange(size, device=dev).repeat_interleave(q)
         batch.decode_rows = DecodeRows(tokens, seqs, self._row_ctx[: size * q], self.max_model_len, True)
-        batch.verify_groups = [VerifyGroup(q, tokens, v.spec_slots, v.spec_src)]
+        batch.verify_groups = [VerifyGroup(q, tokens, v.spec_slots, v.spec_src, whole_step=True)]
         return batch
 
     def table_width(self, size: int, longest: int) -> int:

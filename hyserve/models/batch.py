@@ -94,6 +94,7 @@ class VerifyGroup:
     rows: torch.Tensor  # [n * tokens] long: the step's token rows, sequence-major
     slot_table: torch.Tensor  # [n, 1+K] long: the sequences' rows of VerifyRows.slot_table
     src: torch.Tensor  # [n] long
+    whole_step: bool = False  # the rows are every token of the step, in order: no gather, no scatter
 
 
 @dataclass
@@ -206,7 +207,8 @@ class Batch:
             members = [j for j, n in enumerate(self.verify_lens) if n == t]
             rows = to_device([r for j in members for r in range(cu[seqs[j]], cu[seqs[j]] + t)], torch.long, dev)
             if len(members) == len(seqs):  # one length: the step's own tensors, no gather
-                groups.append(VerifyGroup(t, rows, self.verify.slot_table, self.verify.src))
+                whole = list(seqs) == list(range(self.num_seqs))  # verify rows only, sequence after sequence
+                groups.append(VerifyGroup(t, rows, self.verify.slot_table, self.verify.src, whole))
                 continue
             idx = to_device(members, torch.long, dev)
             groups.append(VerifyGroup(t, rows, self.verify.slot_table[idx], self.verify.src[idx]))

@@ -94,19 +94,26 @@ def _kda_prep_kernel(
     x_ptr, s_xn, f_ptr, s_fn, b_ptr, s_bn,
     conv_w_ptr, conv_ptr, s_cs, s_cc, s_cw,
     a_log_ptr, dt_bias_ptr, slots_ptr, fresh_ptr, qkvg_ptr, beta_ptr,
-    P, H, scale, lower_bound,
+    P, H, scale, lower_bound, s_sn,
     T: tl.constexpr, K: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BOUNDED: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, VERIFY: tl.constexpr,
 ):
     """Program (n, h): for each token t, writes q̂ (normed, scaled), k̂ (normed), v and exp(gate) of head h
     as rows 0..3 of qkvg[n*T+t, h] (fp32), and σ(b) to beta; then the conv-tail shift of the head's q/k/v
-    channels. PDL: lets the state kernel launch now (it waits for this grid before reading qkvg/beta)."""
+    channels. PDL: lets the state kernel launch now (it waits for this grid before reading qkvg/beta).
+    VERIFY (ops/kda_verify_triton.py): slots_ptr is a slot table with rows s_sn apart and fresh_ptr the
+    column each sequence starts from; the tail is only read (the windows after each token are written
+    to their own slots by the verify windows kernel after this one)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     n = tl.program_id(0)
     h = tl.program_id(1)
-    slot = tl.load(slots_ptr + n).to(tl.int64)
-    fresh = tl.load(fresh_ptr + n) != 0
+    if VERIFY:
+        slot = tl.load(slots_ptr + n * s_sn + tl.load(fresh_ptr + n)).to(tl.int64)
+        fresh = n < 0  # verify rows always continue a sequence
+    else:
+        slot = tl.load(slots_ptr + n).to(tl.int64)
+        fresh = tl.load(fresh_ptr + n) != 0
     row0 = n * T
     tail_ptr = conv_ptr + slot * s_cs
     # the three conv parts in one window per token, and the output in the layout the state kernel reads
@@ -123,7 +130,8 @@ def _kda_prep_kernel(
         y = tl.where(part == 3, _decay_of(f, a, lower_bound, BOUNDED), y)
         tl.store(qkvg_ptr + ((row0 + t) * H + h) * 4 * K + i, y)
         tl.store(beta_ptr + (row0 + t) * H + h, tl.sigmoid(tl.load(b_ptr + (row0 + t) * s_bn + h).to(tl.float32)))
-    _shift_tails(x_ptr, s_xn, row0, tail_ptr, s_cc, s_cw, c, part < 3, fresh, T, W, WP)
+    if not VERIFY:
+        _shift_tails(x_ptr, s_xn, row0, tail_ptr, s_cc, s_cw, c, part < 3, fresh, T, W, WP)
 
 
 @triton.jit
@@ -306,8 +314,8 @@ def kda_decode_multi(
     arrivals = arrival_counters(x.device, n * h) if fused_finish else o_raw  # unused without fused_finish
     _kda_prep_kernel[(n, h)](
         x, x.stride(0), f, f.stride(0), b, b.stride(0), conv_weight, conv_pool, *conv_pool.stride(),
-        a_log, dt_bias, slots, fresh, qkvg, beta, p, h, scale, lb,
-        T=t, K=kd, W=w, WP=wp, BOUNDED=bounded, PDL=pdl, num_warps=4,
+        a_log, dt_bias, slots, fresh, qkvg, beta, p, h, scale, lb, 1,
+        T=t, K=kd, W=w, WP=wp, BOUNDED=bounded, PDL=pdl, VERIFY=False, num_warps=4,
     )
     extra = {"launch_pdl": True} if pdl else {}
     vbs = triton.cdiv(kd, bv)

@@ -5,11 +5,10 @@ Each of N sequences brings T tokens (the last sampled token and T-1 drafts), row
 state is read from slot_table[n, src[n]] and the state after token t is written to slot_table[n, t],
 recurrent matrix and conv window alike, so the next step starts from the accepted column without a
 copy. The steps:
-1. the source windows are gathered into a scratch [N, 3P, W-1] first (column src may also be token 0's
-   destination), and the window after each token is written to its slot from the scratch and the
-   token rows (torch: a gather, a concatenation and one indexed store);
-2. the decode path's prep kernel, run on the scratch (slot n = row n), computes the conv, gate, beta
-   and q/k norms of every token;
+1. the decode path's prep kernel, reading the source window through the slot table (VERIFY), computes
+   the conv, gate, beta and q/k norms of every token, and leaves the conv windows alone;
+2. the windows kernel here writes the window after each token to its slot (every load before any store:
+   column src may also be a token's destination);
 3. the state kernel here, one program per (sequence, head, block of V rows): the source rows once into
    registers, then per token the delta-rule step, its output rows and the state rows to that token's
    slot (T stores: the price of rollback by slot choice);
@@ -50,15 +49,26 @@ def _verify_state_kernel(
         tl.store(sp + dst * s_rs, m)
 
 
-def _conv_windows(x: torch.Tensor, conv_pool: torch.Tensor, slot_table: torch.Tensor, src: torch.Tensor,
-                  t: int, w: int) -> torch.Tensor:
-    """Write the window after each token to its slot; returns the source windows' copy [N, 3P, W-1]."""
-    n = slot_table.shape[0]
-    scratch = conv_pool[slot_table.gather(1, src.view(n, 1).long()).view(n)]
-    rows = torch.cat([scratch, x.reshape(n, t, -1).transpose(1, 2).to(conv_pool.dtype)], -1)  # [N, 3P, W-1+T]
-    windows = torch.stack([rows[..., j + 1 : j + w] for j in range(t)], 1)  # [N, T, 3P, W-1]
-    conv_pool[slot_table[:, :t].reshape(-1)] = windows.reshape(n * t, *windows.shape[2:])
-    return scratch
+@triton.jit
+def _verify_windows_kernel(x_ptr, s_xn, conv_ptr, s_cs, s_cc, s_cw, table_ptr, s_tn, src_ptr, C,
+                           T: tl.constexpr, TP: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr):
+    """Program (n, channel block): the conv window after each token t of sequence n (positions t+1 ..
+    t+W-1 of [the source slot's W-1 inputs, the T token rows]) into slot table[n, t]. Every window is
+    loaded before any store: the source slot may be one of the destinations."""
+    n = tl.program_id(0)
+    c = (tl.program_id(1) * BC + tl.arange(0, BC))[:, None, None]
+    t = tl.arange(0, TP)[None, :, None]
+    j = tl.arange(0, WP)[None, None, :]
+    p = t + 1 + j  # position in [tail, tokens]
+    live = (c < C) & (t < T) & (j < W - 1)
+    src = tl.load(table_ptr + n * s_tn + tl.load(src_ptr + n)).to(tl.int64)
+    tail = tl.load(conv_ptr + src * s_cs + c * s_cc + p * s_cw, mask=live & (p < W - 1), other=0.0)
+    tok = tl.minimum(tl.maximum(p - (W - 1), 0), T - 1)  # clamped so no lane forms an address outside x
+    xv = tl.load(x_ptr + (n * T + tok) * s_xn + c, mask=live & (p >= W - 1), other=0.0)
+    win = tl.where(p < W - 1, tail, xv.to(tail.dtype))
+    dst = tl.load(table_ptr + n * s_tn + t, mask=t < T, other=0).to(tl.int64)
+    tl.debug_barrier()  # every load of the source slot before any store (another thread may store over it)
+    tl.store(conv_ptr + dst * s_cs + c * s_cc + j * s_cw, win, mask=live)
 
 
 def kda_verify_multi(
@@ -85,17 +95,20 @@ def kda_verify_multi(
     out = torch.empty(n * t, p, dtype=x.dtype, device=x.device)
     if n == 0:
         return out
-    scratch = _conv_windows(x, conv_pool, slot_table, src, t, w)
     lb, bounded = 0.0 if lower_bound is None else float(lower_bound), lower_bound is not None
     qkvg = torch.empty(n * t, h, 4, kd, dtype=torch.float32, device=x.device)
     beta = torch.empty(n * t, h, dtype=torch.float32, device=x.device)
     o_raw = torch.empty(n * t, p, dtype=torch.float32, device=x.device)
-    rows = torch.arange(n, device=x.device)
-    fresh = torch.zeros(n, dtype=torch.bool, device=x.device)
+    wp = triton.next_power_of_2(w)
     _kda_prep_kernel[(n, h)](
-        x, x.stride(0), f, f.stride(0), b, b.stride(0), conv_weight, scratch, *scratch.stride(),
-        a_log, dt_bias, rows, fresh, qkvg, beta, p, h, scale, lb,
-        T=t, K=kd, W=w, WP=triton.next_power_of_2(w), BOUNDED=bounded, PDL=False, num_warps=4,
+        x, x.stride(0), f, f.stride(0), b, b.stride(0), conv_weight, conv_pool, *conv_pool.stride(),
+        a_log, dt_bias, slot_table, src, qkvg, beta, p, h, scale, lb, slot_table.stride(0),
+        T=t, K=kd, W=w, WP=wp, BOUNDED=bounded, PDL=False, VERIFY=True, num_warps=4,
+    )
+    bc = 64
+    _verify_windows_kernel[(n, triton.cdiv(3 * p, bc))](
+        x, x.stride(0), conv_pool, *conv_pool.stride(), slot_table, slot_table.stride(0), src, 3 * p,
+        T=t, TP=triton.next_power_of_2(t), W=w, WP=wp, BC=bc, num_warps=4,
     )
     bv = min(block_v, kd)
     _verify_state_kernel[(triton.cdiv(kd, bv), h, n)](

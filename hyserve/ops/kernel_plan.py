@@ -24,8 +24,9 @@ from hyserve.ops.dispatch import pow2_dims, records_grad, references_forced
 
 REFERENCE = "reference"
 # the router as partial logits over weight tiles + the selection kernel up to this many tokens (1 token:
-# 11.4 against 13.3 µs for cast + cuBLAS GEMV + selection; 4 tokens 12.8 against 19.9 µs)
-ROUTER_FUSED_MAX_TOKENS = 4
+# 11.4 against 13.3 µs for cast + cuBLAS GEMV + selection; 4 tokens 12.8 against 19.9 µs), which covers a
+# verify step of up to 7 drafts: each token's logits then sum in the order of its plain decode step
+ROUTER_FUSED_MAX_TOKENS = 8
 # routed experts as GEMV kernels reading only the selected experts' rows up to this many token-expert pairs
 MOE_GEMV_MAX_PAIRS = 64
 # up to this many pairs the GEMV's down kernel takes its one-token tile and launches as a programmatic

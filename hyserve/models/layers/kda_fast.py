@@ -64,6 +64,13 @@ def kda_forward_fast(layer, x: torch.Tensor, batch: Batch, cache: CacheTensors, 
                          layer.lower_bound, fused_finish=plan.kda_fused_norm(t * h))
         return linear(out, layer.o_proj.weight, config=plan.linear_gemv(out, layer.o_proj.weight))
 
+    groups = batch.verify_groups
+    if len(groups) == 1 and groups[0].whole_step:  # a verify step of one draft count: no gather, no scatter
+        g = groups[0]
+        out = kda_verify_multi(qkv, f, b, gate, *args, g.slot_table, g.src, scale, layer.eps, layer.lower_bound,
+                               g.tokens)
+        return linear(out, layer.o_proj.weight, config=plan.linear_gemv(out, layer.o_proj.weight))
+
     out = torch.empty(t, h * layer.head_dim, dtype=x.dtype, device=x.device)
     dec = [i for i, n in enumerate(batch.query_lens) if n == 1]
     if dec:
@@ -72,7 +79,7 @@ def kda_forward_fast(layer, x: torch.Tensor, batch: Batch, cache: CacheTensors, 
         out[tok] = kda_decode(qkv[tok], f[tok], b[tok], gate[tok], *args, batch.state_slots[idx],
                               batch.fresh_state[idx], scale, layer.eps, layer.lower_bound,
                               fused_finish=plan.kda_fused_norm(len(dec) * h))
-    for g in batch.verify_groups:
+    for g in groups:
         r = g.rows
         out[r] = kda_verify_multi(qkv[r], f[r], b[r], gate[r], *args, g.slot_table, g.src, scale, layer.eps,
                                   layer.lower_bound, g.tokens)
