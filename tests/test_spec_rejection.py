@@ -5,6 +5,7 @@ target."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from spec_util import chi_square_pvalue
 
@@ -34,6 +35,18 @@ def peaked(argmaxes, vocab=V):
 def test_greedy_accepts_every_matching_draft_and_appends_the_bonus():
     out = rejection_sample(peaked([1, 2, 3, 4]), [req([1, 2, 3])])
     assert out.token_lists() == [[1, 2, 3, 4]] and out.num_accepted.tolist() == [3]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0, max_tokens=100, logit_bias={1: -100.0}),
+                                    SamplingParams(temperature=0.0, max_tokens=100, repetition_penalty=100.0)])
+def test_greedy_verdicts_see_the_bias_and_penalties_that_move_the_argmax(params):
+    """Token 1 leads each row by a little, token 3 follows: banned (or penalised, having been generated), 1
+    loses to 3 and the draft 1 is rejected; the raw logits alone would accept it."""
+    rows = torch.zeros(2, V)
+    rows[:, 1], rows[:, 3] = 3.0, 2.5
+    out = rejection_sample(rows, [req([1], params, outputs=[1])])
+    assert out.token_lists() == [[3]] and out.num_accepted.tolist() == [0]
+    assert rejection_sample(rows, [req([1], outputs=[1])]).token_lists() == [[1, 1]]
 
 
 def test_greedy_stops_at_the_first_mismatch_with_the_target_argmax():

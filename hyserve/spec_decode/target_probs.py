@@ -60,6 +60,8 @@ def row_metadata(
 
 
 def process_logits(logits: Tensor, m: SamplingMetadata, allowed_token_mask: Tensor | None = None) -> ProcessedLogits:
-    """logits [R, V] (not modified) through the sampler's processing, without drawing."""
-    x, raw = greedy_logits(logits, m, allowed_token_mask, copy=True)
+    """logits [R, V] (not modified) through the sampler's processing, without drawing. All greedy: the
+    greedy logits may be `logits` itself (nothing writes in place then; a copy per step was 3.3 MB at batch
+    1 of a 163840-token vocabulary and 105 MB at 32)."""
+    x, raw = greedy_logits(logits, m, allowed_token_mask, copy=not m.all_greedy)
     return ProcessedLogits(raw, x, None if m.all_greedy else sampling_logits(x, m))
