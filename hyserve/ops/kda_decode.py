@@ -98,7 +98,7 @@ def _kda_prep_kernel(
     T: tl.constexpr, K: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BOUNDED: tl.constexpr,
     PDL: tl.constexpr, VERIFY: tl.constexpr,
 ):
-    """Program (n, h): for each token t, writes q̂ (normed, scaled), k̂ (normed), v and exp(gate) of head h
+    """Program (n, h) (VERIFY: (n, h, t), token t alone): for each token t, writes q̂ (normed, scaled), k̂ (normed), v and exp(gate) of head h
     as rows 0..3 of qkvg[n*T+t, h] (fp32), and σ(b) to beta; then the conv-tail shift of the head's q/k/v
     channels. PDL: lets the state kernel launch now (it waits for this grid before reading qkvg/beta).
     VERIFY (ops/kda_verify_triton.py): slots_ptr is a slot table with rows s_sn apart and fresh_ptr the
@@ -121,7 +121,13 @@ def _kda_prep_kernel(
     gl = tl.where(part == 3, i - 3 * K, 0)
     a = tl.exp(tl.load(a_log_ptr + h))
     dtb = tl.load(dt_bias_ptr + h * K + gl)
-    for t in range(T):
+    if VERIFY:  # no tail shift after the tokens: one program per token (5x the programs of a 4-draft step)
+        t_first = tl.program_id(2)
+        t_end = t_first + 1
+    else:
+        t_first = 0
+        t_end = T
+    for t in range(t_first, t_end):
         y = _conv_out(x_ptr, s_xn, row0, t, conv_w_ptr, tail_ptr, s_cc, s_cw, c, fresh, T, W, WP)
         qn = tl.rsqrt(tl.sum(tl.where(part == 0, y * y, 0.0), axis=0) + 1e-6) * scale
         kn = tl.rsqrt(tl.sum(tl.where(part == 1, y * y, 0.0), axis=0) + 1e-6)

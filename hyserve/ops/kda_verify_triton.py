@@ -6,7 +6,8 @@ state is read from slot_table[n, src[n]] and the state after token t is written 
 recurrent matrix and conv window alike, so the next step starts from the accepted column without a
 copy. The steps:
 1. the decode path's prep kernel, reading the source window through the slot table (VERIFY), computes
-   the conv, gate, beta and q/k norms of every token, and leaves the conv windows alone;
+   the conv, gate, beta and q/k norms of every token, a program per (sequence, head, token), and leaves
+   the conv windows alone;
 2. the windows kernel here writes the window after each token to its slot (every load before any store:
    column src may also be a token's destination);
 3. the state kernel here, one program per (sequence, head, block of V rows): the source rows once into
@@ -100,7 +101,7 @@ def kda_verify_multi(
     beta = torch.empty(n * t, h, dtype=torch.float32, device=x.device)
     o_raw = torch.empty(n * t, p, dtype=torch.float32, device=x.device)
     wp = triton.next_power_of_2(w)
-    _kda_prep_kernel[(n, h)](
+    _kda_prep_kernel[(n, h, t)](
         x, x.stride(0), f, f.stride(0), b, b.stride(0), conv_weight, conv_pool, *conv_pool.stride(),
         a_log, dt_bias, slot_table, src, qkvg, beta, p, h, scale, lb, slot_table.stride(0),
         T=t, K=kd, W=w, WP=wp, BOUNDED=bounded, PDL=False, VERIFY=True, num_warps=4,
