@@ -70,13 +70,14 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["norm-by-last-arrival", "norm-kernel"])
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "bounded"])
 @pytest.mark.parametrize(("n", "t"), [(1, 4), (3, 2), (2, 5)])
-def test_verify_kernels_match_the_reference_in_every_slot(n, t, lower_bound):
+def test_verify_kernels_match_the_reference_in_every_slot(n, t, lower_bound, fused):
     c = make_case(n, t, seed=10 * n + t)
     out_ref, conv_ref, rec_ref = reference(c, t, lower_bound)
     before_conv, before_rec = c["conv"].clone(), c["rec"].clone()
-    out = run(c, t, lower_bound, block_v=8)
+    out = run(c, t, lower_bound, block_v=8, fused_finish=fused)
     written = c["table"].reshape(-1)
     others = [s for s in range(SLOTS) if s not in written.tolist()]
     assert rel_err(out, out_ref) < 1e-5

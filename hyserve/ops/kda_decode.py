@@ -187,16 +187,19 @@ GRID_VB_FIRST = True
 @triton.jit
 def _kda_state_kernel(
     qkvg_ptr, beta_ptr, rec_ptr, s_rs, s_rh, s_rv, s_rk, slots_ptr, fresh_ptr, o_ptr, P, H,
-    gate_ptr, s_gn, onorm_ptr, out_ptr, s_on, arrivals_ptr, eps,
+    gate_ptr, s_gn, onorm_ptr, out_ptr, s_on, arrivals_ptr, eps, s_sn,
     T: tl.constexpr, K: tl.constexpr, BV: tl.constexpr, FUSED: tl.constexpr, PDL: tl.constexpr,
-    STREAM: tl.constexpr = False, VB_FIRST: tl.constexpr = False,
+    STREAM: tl.constexpr = False, VB_FIRST: tl.constexpr = False, VERIFY: tl.constexpr = False,
 ):
     """Program (n, h, vb): rows vb*BV.. of head h's state over the sequence's T tokens; with FUSED, the
     last of the head's programs to arrive also applies the gated RMSNorm to all T tokens of the head.
     PDL (launched as a programmatic dependent of the prep kernel, which may still be running): the state
     rows, slots and fresh flags are loaded first (the prep kernel writes none of them, and every kernel
     before it on the stream has finished), then the wait for the prep grid's stores; every read of
-    qkvg/beta/arrival counters and every store of this kernel comes after the wait."""
+    qkvg/beta/arrival counters and every store of this kernel comes after the wait.
+    VERIFY (ops/kda_verify_triton.py): slots_ptr is a slot table with rows s_sn apart and fresh_ptr the
+    column each sequence starts from; the state after token t goes to the slot of column t (the source
+    rows are read once, before any store: the source may be one of them)."""
     if PDL:  # the output projection may launch now: it waits for this grid before it reads the output
         tl.extra.cuda.gdc_launch_dependents()
     if VB_FIRST:
@@ -206,11 +209,16 @@ def _kda_state_kernel(
         n = tl.program_id(0)
         vb = tl.program_id(2)
     h = tl.program_id(1)
-    slot = tl.load(slots_ptr + n).to(tl.int64)
-    fresh = tl.load(fresh_ptr + n) != 0
+    if VERIFY:
+        slot = tl.load(slots_ptr + n * s_sn + tl.load(fresh_ptr + n)).to(tl.int64)
+        fresh = n < 0  # verify rows always continue a sequence
+    else:
+        slot = tl.load(slots_ptr + n).to(tl.int64)
+        fresh = tl.load(fresh_ptr + n) != 0
     offs = tl.arange(0, K)
     rows = vb * BV + tl.arange(0, BV)
-    sp = rec_ptr + slot * s_rs + h * s_rh + rows[:, None] * s_rv + offs[None, :] * s_rk
+    head_rows = rec_ptr + h * s_rh + rows[:, None] * s_rv + offs[None, :] * s_rk
+    sp = head_rows + slot * s_rs
     if STREAM:  # the state is read and written once a step: first out of L2, streaming stores
         m = tl.where(fresh, 0.0, tl.load(sp, eviction_policy="evict_first"))
     else:
@@ -227,6 +235,9 @@ def _kda_state_kernel(
         beta = tl.load(beta_ptr + r * H + h)
         m, o = _delta_step(m, q, k, v, decay, beta)
         tl.store(o_ptr + r * P + h * K + rows, o)
+        if VERIFY:  # T stores: the price of rollback by the next step's choice of column
+            dst = tl.load(slots_ptr + n * s_sn + t).to(tl.int64)
+            tl.store(head_rows + dst * s_rs, m, cache_modifier=".cs" if STREAM else "")
     if FUSED:
         # One thread performs the scalar atomic. The barrier puts every thread's output stores before it,
         # and its release (cumulative through the barrier) publishes them at GPU scope. The head's
@@ -240,7 +251,8 @@ def _kda_state_kernel(
         tl.debug_barrier()
         arrivals = arrivals_ptr + n * H + h
         before = tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu")
-        tl.store(sp, m, cache_modifier=".cs" if STREAM else "")
+        if not VERIFY:
+            tl.store(sp, m, cache_modifier=".cs" if STREAM else "")
         if before == tl.num_programs(0 if VB_FIRST else 2) - 1:
             # every other program of the head has arrived; its rows are read from L2 (".cg"), as a line
             # of this SM's L1 could predate them
@@ -249,7 +261,7 @@ def _kda_state_kernel(
             # nobody else touches the counter in this launch, and the next launch on the stream (eager
             # or a graph replay) starts after this one ends: a plain store leaves it zero for that one
             tl.store(arrivals, 0)
-    else:
+    elif not VERIFY:
         tl.store(sp, m, cache_modifier=".cs" if STREAM else "")
 
 
@@ -288,15 +300,31 @@ def kda_decode_multi(
     Calls on one device must not overlap in time (one stream, as the engine runs them): they share the
     arrival counters.
     """
-    t = tokens_per_seq
-    h, kd = rec_pool.shape[1], rec_pool.shape[-1]
-    p = h * kd
-    w = conv_weight.shape[-1]
+    t, kd = tokens_per_seq, rec_pool.shape[-1]
     assert 1 <= t <= 16 and x.shape[0] % t == 0, "1 to 16 tokens per sequence, the same for every sequence"
     n = x.shape[0] // t
     for y in (x, f, b, gate):
         assert y.stride(-1) == 1 and y.shape[0] == n * t
     assert conv_weight.is_contiguous() and rec_pool.shape[-2] == kd and slots.shape[0] == fresh.shape[0] == n
+    return kda_steps(x, f, b, gate, conv_weight, conv_pool, rec_pool, a_log, dt_bias, o_norm_weight, slots, fresh,
+                     scale, eps, lower_bound, t, num_warps, block_v, fused_finish, pdl)
+
+
+def kda_steps(
+    x: torch.Tensor, f: torch.Tensor, b: torch.Tensor, gate: torch.Tensor, conv_weight: torch.Tensor,
+    conv_pool: torch.Tensor, rec_pool: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+    o_norm_weight: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor, scale: float, eps: float,
+    lower_bound: float | None, t: int, num_warps: int | None, block_v: int | None, fused_finish: bool | None,
+    pdl: bool | None, table_stride: int | None = None,
+) -> torch.Tensor:
+    """The launches of `kda_decode_multi` (inputs checked there). With table_stride: the verify contract
+    (`kda_verify_multi`): slots is a slot table with rows that far apart and fresh each sequence's source
+    column; the prep kernel runs a program per token and leaves the conv windows alone, the state kernel
+    writes the state after each token to its column."""
+    h, kd = rec_pool.shape[1], rec_pool.shape[-1]
+    p, w, n = h * kd, conv_weight.shape[-1], x.shape[0] // t
+    verify = table_stride is not None
+    s_sn = table_stride if verify else 1
     out = torch.empty(n * t, p, dtype=x.dtype, device=x.device)
     if n == 0:
         return out
@@ -318,18 +346,18 @@ def kda_decode_multi(
     # before the prep launch: growing the counters launches a fill, which must not come between the two
     # kernels (the state kernel's programmatic dependency is on the launch just before it)
     arrivals = arrival_counters(x.device, n * h) if fused_finish else o_raw  # unused without fused_finish
-    _kda_prep_kernel[(n, h)](
+    _kda_prep_kernel[(n, h, t) if verify else (n, h)](
         x, x.stride(0), f, f.stride(0), b, b.stride(0), conv_weight, conv_pool, *conv_pool.stride(),
-        a_log, dt_bias, slots, fresh, qkvg, beta, p, h, scale, lb, 1,
-        T=t, K=kd, W=w, WP=wp, BOUNDED=bounded, PDL=pdl, VERIFY=False, num_warps=4,
+        a_log, dt_bias, slots, fresh, qkvg, beta, p, h, scale, lb, s_sn,
+        T=t, K=kd, W=w, WP=wp, BOUNDED=bounded, PDL=pdl, VERIFY=verify, num_warps=4,
     )
     extra = {"launch_pdl": True} if pdl else {}
     vbs = triton.cdiv(kd, bv)
     vb_first = GRID_VB_FIRST and n < 65536  # (the grid's third dimension is at most 65535)
     _kda_state_kernel[(vbs, h, n) if vb_first else (n, h, vbs)](
         qkvg, beta, rec_pool, *rec_pool.stride(), slots, fresh, o_raw, p, h,
-        gate, gate.stride(0), o_norm_weight, out, out.stride(0), arrivals, eps,
-        T=t, K=kd, BV=bv, FUSED=fused_finish, PDL=pdl, STREAM=stream, VB_FIRST=vb_first,
+        gate, gate.stride(0), o_norm_weight, out, out.stride(0), arrivals, eps, s_sn,
+        T=t, K=kd, BV=bv, FUSED=fused_finish, PDL=pdl, STREAM=stream, VB_FIRST=vb_first, VERIFY=verify,
         num_warps=num_warps,
         **extra,
     )
