@@ -90,6 +90,19 @@ def _shift_tails(x_ptr, s_xn, row0, tail_ptr, s_cc, s_cw, c, live, fresh, T: tl.
 
 
 @triton.jit
+def _slot_of(slots_ptr, fresh_ptr, n, s_sn, VERIFY: tl.constexpr):
+    """(state slot, fresh) of sequence n: slots[n] and fresh[n], or (VERIFY) slots_ptr a slot table with
+    rows s_sn apart and fresh_ptr the column each sequence starts from (verify rows always continue)."""
+    if VERIFY:
+        slot = tl.load(slots_ptr + n * s_sn + tl.load(fresh_ptr + n)).to(tl.int64)
+        fresh = n < 0
+    else:
+        slot = tl.load(slots_ptr + n).to(tl.int64)
+        fresh = tl.load(fresh_ptr + n) != 0
+    return slot, fresh
+
+
+@triton.jit
 def _kda_prep_kernel(
     x_ptr, s_xn, f_ptr, s_fn, b_ptr, s_bn,
     conv_w_ptr, conv_ptr, s_cs, s_cc, s_cw,
@@ -108,12 +121,7 @@ def _kda_prep_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     n = tl.program_id(0)
     h = tl.program_id(1)
-    if VERIFY:
-        slot = tl.load(slots_ptr + n * s_sn + tl.load(fresh_ptr + n)).to(tl.int64)
-        fresh = n < 0  # verify rows always continue a sequence
-    else:
-        slot = tl.load(slots_ptr + n).to(tl.int64)
-        fresh = tl.load(fresh_ptr + n) != 0
+    slot, fresh = _slot_of(slots_ptr, fresh_ptr, n, s_sn, VERIFY)
     row0 = n * T
     tail_ptr = conv_ptr + slot * s_cs
     # the three conv parts in one window per token, and the output in the layout the state kernel reads
@@ -209,12 +217,7 @@ def _kda_state_kernel(
         n = tl.program_id(0)
         vb = tl.program_id(2)
     h = tl.program_id(1)
-    if VERIFY:
-        slot = tl.load(slots_ptr + n * s_sn + tl.load(fresh_ptr + n)).to(tl.int64)
-        fresh = n < 0  # verify rows always continue a sequence
-    else:
-        slot = tl.load(slots_ptr + n).to(tl.int64)
-        fresh = tl.load(fresh_ptr + n) != 0
+    slot, fresh = _slot_of(slots_ptr, fresh_ptr, n, s_sn, VERIFY)
     offs = tl.arange(0, K)
     rows = vb * BV + tl.arange(0, BV)
     head_rows = rec_ptr + h * s_rh + rows[:, None] * s_rv + offs[None, :] * s_rk
