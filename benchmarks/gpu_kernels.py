@@ -483,6 +483,41 @@ def gemv_rows(ceil, gen) -> list[str]:
     return rows
 
 
+def gemv_tokens_rows(ceil, gen) -> list[str]:
+    """The 48B dense projections at a verify step's 5 and 8 tokens, each call on another copy of the weight in
+    one graph: cuBLAS (F.linear, what the kernel plan runs there today) against `gemv_tokens` (the weight
+    streamed once, one tensor-core dot a tile) over a sweep of tiles and K splits, and `gemv`'s per-token
+    loop with the plan's one-token tiles. Which projections a verify step should send to `gemv_tokens` is
+    read off this table."""
+    from hyserve.ops.dense_gemv import gemv, gemv_tokens
+    from hyserve.ops.kernel_plan import gemv_config
+
+    shapes = {"attention output (o_proj)": (2304, 4096), "KDA merged input": (12576, 2304),
+              "MLA q | kv_a": (6720, 2304), "lm_head": (163840, 2304)}
+    sweep = [(bn, bk, nw, st, split) for bn, bk in ((16, 256), (32, 128), (64, 64), (32, 256))
+             for nw in (4, 8) for st in (3, 4) for split in (1, 2, 4)]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for name, (n, k) in shapes.items():
+        ws = _copies((n, k), 200e6, gen)
+        byts = n * k * 2
+        floor = byts / (ceil["copy_tbs"] * 1e12) * 1e3
+        for t in (5, 8):
+            x = torch.randn(t, k, device="cuda", generator=gen).to(torch.bfloat16)
+            ref = time_graph_ms(lambda: [torch.nn.functional.linear(x, w) for w in ws], 10) / len(ws)
+            loop = time_graph_ms(lambda: [gemv(x, w, gemv_config(n, k, False, sms)) for w in ws], 10) / len(ws)
+            best = None
+            for cfg in sweep:
+                ms = time_graph_ms(lambda cfg=cfg: [gemv_tokens(x, w, cfg) for w in ws], 10) / len(ws)
+                best = (ms, cfg) if best is None or ms < best[0] else best
+            ms, cfg = best
+            rows.append(f"| {t} tokens, {name} {n}x{k} | {ms * 1e3:.1f} µs | {byts / 1e6:.1f} MB | "
+                        f"{byts / ms / 1e9:.2f} TB/s | {floor * 1e3:.1f} µs | {floor / ms:.0%} | gemv_tokens best tile "
+                        f"{cfg}; cuBLAS {ref * 1e3:.1f} µs ({ref / ms:.2f}x); the per-token GEMV loop "
+                        f"{loop * 1e3:.1f} µs |")
+    return rows
+
+
 def router_rows(ceil, gen) -> list[str]:
     """The 48B router (256 experts x 2304, fp32 weight) at 1, 4, 5 and 8 tokens (5, 8: verify steps of 4, 7 drafts): `router_fused` (partial logits over
     a grid of weight tiles, then the selection kernel) against the cast + cuBLAS GEMV + selection kernel, 26
@@ -512,7 +547,7 @@ def router_rows(ceil, gen) -> list[str]:
 
 SECTIONS = {"kda": kda_rows, "kda_prefill": kda_prefill_rows, "kda_multi": kda_multi_rows, "mla": mla_rows,
             "mla_prefill": mla_prefill_rows, "moe": moe_rows,
-            "gemv": gemv_rows, "router": router_rows}
+            "gemv": gemv_rows, "gemv_tokens": gemv_tokens_rows, "router": router_rows}
 
 
 def main(ceil=None, argv: list[str] | None = None) -> None:

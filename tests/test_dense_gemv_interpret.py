@@ -60,3 +60,26 @@ def test_an_fp32_out_holds_the_products_rounded_to_the_input_dtype(split):
     out = torch.full((2, 40), float("nan"))
     got = gemv(x, w, (16, 32, 4, 2, split), out=out)
     assert got is out and torch.equal(out, gemv(x, w, (16, 32, 4, 2, split)).float())
+
+
+@pytest.mark.parametrize("t,n,k,split", [(5, 40, 300, 1), (8, 16, 128, 2), (1, 33, 64, 3), (16, 24, 100, 4)])
+def test_the_tokens_gemv_equals_linear_split_or_not(t, n, k, split):
+    """A verify step's rows at once (the weight streamed once), ragged row and column blocks, K split or
+    not, and the counters left zero for the next call."""
+    from hyserve.ops.arrival import arrival_counters
+
+    gemv_tokens = importlib.import_module("hyserve.ops.dense_gemv").gemv_tokens
+    gen = torch.Generator().manual_seed(t * k)
+    x = torch.randn(t, k + 3, generator=gen)[:, :k]  # a strided view, as a split of a merged GEMM
+    w = torch.randn(n, k, generator=gen)
+    first = gemv_tokens(x, w, (16, 32, 4, 2, split))
+    torch.testing.assert_close(first, F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert int(arrival_counters("cpu", 1).count_nonzero()) == 0
+    assert torch.equal(gemv_tokens(x, w, (16, 32, 4, 2, split)), first)
+
+
+def test_the_tokens_gemv_refuses_more_rows_than_one_dot_holds():
+    dense_gemv = importlib.import_module("hyserve.ops.dense_gemv")
+    x, w = torch.zeros(dense_gemv.TOKENS_MAX + 1, 32), torch.zeros(16, 32)
+    with pytest.raises(ValueError, match="1 to 16 rows"):
+        dense_gemv.gemv_tokens(x, w, (16, 32, 4, 2, 1))

@@ -9,6 +9,10 @@ each row block's last split) it is 1.06x (8.9 against 9.4 µs), and the layer-0 
 with the SiLU-GLU read in replaces the activation's five small kernels too. The tiles come from a rule
 of the weight's shape and the SM count (`kernel_plan.gemv_config`); which projections take the GEMV is the
 kernel plan's call. Tokens after the first re-read the weight tile from cache: single-token steps only.
+
+`gemv_tokens` takes up to 16 tokens (a verify step's rows) with the weight streamed once: each tile meets
+every token in one tensor-core dot. It is not in the kernel plan yet: `benchmarks/gpu_kernels.py --only
+gemv_tokens` compares it with cuBLAS at 5 and 8 tokens, which the plan runs there today.
 """
 
 from __future__ import annotations
@@ -39,6 +43,15 @@ def _rounded(acc, x_ptr, y_ptr):
 
 
 @triton.jit
+def _tile(N, K, KS, BN: tl.constexpr):
+    """Program (row block, split)'s (row block, its rows, their mask, first column, columns)."""
+    rb = tl.program_id(0)
+    rows = rb * BN + tl.arange(0, BN)
+    k0 = tl.program_id(1) * KS
+    return rb, rows, rows < N, k0, tl.minimum(KS, K - k0)
+
+
+@triton.jit
 def _dense_gemv_kernel(x_ptr, s_xm, w_ptr, s_wr, y_ptr, s_ym, part_ptr, count_ptr, N, K, T, KS,
                        BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, SILU_GLU: tl.constexpr,
                        PDL: tl.constexpr, PREFETCH: tl.constexpr):
@@ -50,11 +63,7 @@ def _dense_gemv_kernel(x_ptr, s_xm, w_ptr, s_wr, y_ptr, s_ym, part_ptr, count_pt
     first, and every read of x, partials or counters and every store comes after the wait."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    rb = tl.program_id(0)
-    rows = rb * BN + tl.arange(0, BN)
-    rmask = rows < N
-    k0 = tl.program_id(1) * KS
-    kd = tl.minimum(KS, K - k0)
+    rb, rows, rmask, k0, kd = _tile(N, K, KS, BN)
     if PDL:
         if PREFETCH:
             nbytes = kd * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
@@ -128,3 +137,77 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = Non
         return gemv(x, weight, config, out=out)
     y = F.linear(x, weight)
     return y if out is None else out.copy_(y)
+
+
+@triton.jit
+def _dense_tokens_kernel(x_ptr, s_xm, w_ptr, s_wr, y_ptr, s_ym, part_ptr, count_ptr, N, K, T, KS,
+                         TP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
+                         PRECISION: tl.constexpr, PDL: tl.constexpr):
+    """Program (row block, split s): like `_dense_gemv_kernel`, for T <= TP tokens at once: each weight
+    tile is loaded once and multiplied by the T rows of x in one tensor-core dot ([TP, BK] x [BK, BN],
+    rows past T zero), where the per-token loop re-reads the tile T times."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    rb, rows, rmask, k0, kd = _tile(N, K, KS, BN)
+    tt = tl.arange(0, TP)
+    tmask = tt < T
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    acc = tl.zeros([TP, BN], tl.float32)
+    for c0 in range(0, kd, BK):
+        local = c0 + tl.arange(0, BK)
+        cm = local < kd
+        cols = k0 + local
+        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * s_wr + cols[None, :], mask=rmask[:, None] & cm[None, :],
+                    other=0.0)
+        xv = tl.load(x_ptr + tt[:, None] * s_xm + cols[None, :], mask=tmask[:, None] & cm[None, :], other=0.0)
+        acc = tl.dot(xv, tl.trans(w), acc, input_precision=PRECISION)
+    live = tmask[:, None] & rmask[None, :]
+    if SPLIT == 1:
+        tl.store(y_ptr + tt[:, None] * s_ym + rows[None, :], _rounded(acc, x_ptr, y_ptr), mask=live)
+    else:
+        parts = part_ptr + (tl.program_id(1) * T + tt[:, None]) * N + rows[None, :]
+        tl.store(parts, acc, mask=live)
+        tl.debug_barrier()  # every thread's partial stores before the one release below
+        before = tl.atomic_add(count_ptr + rb, 1, sem="acq_rel", scope="gpu")
+        if before == SPLIT - 1:
+            tl.debug_barrier()
+            tot = tl.zeros([TP, BN], tl.float32)
+            for j in tl.static_range(SPLIT):  # in split order, whichever split arrives last
+                tot += tl.load(part_ptr + (j * T + tt[:, None]) * N + rows[None, :], mask=live, other=0.0,
+                               cache_modifier=".cg")
+            tl.store(y_ptr + tt[:, None] * s_ym + rows[None, :], _rounded(tot, x_ptr, y_ptr), mask=live)
+            tl.store(count_ptr + rb, 0)
+
+
+# the most tokens `gemv_tokens` takes in one dot (a verify step of up to 15 drafts)
+TOKENS_MAX = 16
+
+
+def gemv_tokens(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, out: torch.Tensor | None = None,
+                pdl: bool | None = None) -> torch.Tensor:
+    """x [T, K] @ weight[N, K]ᵀ -> [T, N] for 1 <= T <= TOKENS_MAX tokens (a verify step's rows), the
+    weight streamed once: `gemv`'s contract (config, out, pdl) without the SiLU-GLU. fp32 inputs multiply
+    in IEEE fp32, 16-bit ones on tensor cores with fp32 accumulation."""
+    t, k = x.shape[0], weight.shape[1]
+    n = weight.shape[0]
+    if not 1 <= t <= TOKENS_MAX or x.shape[1] != k or x.dtype != weight.dtype:
+        raise ValueError(f"gemv_tokens: 1 to {TOKENS_MAX} rows of the weight's dtype and width")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    assert weight.stride(-1) == 1
+    y = torch.empty(t, n, dtype=x.dtype, device=x.device) if out is None else out
+    assert y.shape == (t, n) and y.stride(-1) == 1
+    bn, bk, warps, stages, split = config
+    ks = triton.cdiv(triton.cdiv(k, split), bk) * bk
+    split = triton.cdiv(k, ks)
+    blocks = triton.cdiv(n, bn)
+    part = torch.empty(split * t, n, dtype=torch.float32, device=x.device) if split > 1 else y
+    count = arrival_counters(x.device, blocks) if split > 1 else y
+    pdl = use_pdl(x, pdl, PDL)
+    _dense_tokens_kernel[(blocks, split)](
+        x, x.stride(0), weight, weight.stride(0), y, y.stride(0), part, count, n, k, t, ks,
+        TP=max(16, triton.next_power_of_2(t)), BN=max(16, bn), BK=max(16, bk), SPLIT=split,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl, num_warps=warps, num_stages=stages,
+        **({"launch_pdl": True} if pdl else {}),
+    )
+    return y

@@ -355,6 +355,18 @@ def test_single_token_gemv_matches_the_fp32_product(n, k):
     assert rel_err(gemv(x, w), x.float() @ w.float().t()) < 1e-2
 
 
+@pytest.mark.parametrize("t,split", [(5, 1), (8, 4), (16, 2)])
+@pytest.mark.parametrize("n,k", [(2304, 4096), (12576, 2304)])
+def test_tokens_gemv_matches_the_fp32_product(n, k, t, split):
+    """A verify step's rows through `gemv_tokens` (tensor-core dots), in bf16, K split or not."""
+    from hyserve.ops.dense_gemv import gemv_tokens
+
+    gen = torch.Generator(device="cuda").manual_seed(n + t)
+    x = torch.randn(t, k, device="cuda", generator=gen).to(torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    assert rel_err(gemv_tokens(x, w, (32, 128, 4, 3, split)), x.float() @ w.float().t()) < 1e-2
+
+
 def test_lm_head_gemv_into_the_fp32_logits_buffer_equals_its_bf16_result_converted():
     """compute_logits' path at one token: the GEMV stores straight into the fp32 buffer the values its bf16
     result would hold, bit for bit."""
