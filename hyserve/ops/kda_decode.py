@@ -18,6 +18,9 @@ T-1 speculative draft tokens + 1), token rows sequence-major: sequence n owns ro
    an H200 this saved 0.6 µs per call at batch 1 and nothing measurable at 64 or 256 against a third
    launch for the norm (the finish kernel, still selectable with `fused_finish=False`).
 The state is the bulk of the bytes: read once and written once per sequence, whatever T.
+`kda_steps` also runs the two launches in a verify mode for ops/kda_verify_triton.py: slots from a slot
+table and a source column, a prep program per token with no tail shift, the state after each token
+written to its own column.
 """
 
 from __future__ import annotations
