@@ -155,3 +155,14 @@ def test_an_engine_with_static_buffers_draws_sampled_blocks_through_the_static_s
     graphs.draft = lambda *a: keys.append(a[2]) or original(*a)
     assert run(llm, prompts, params) == eager
     assert keys and all(k[2] for k in keys)
+
+
+def test_sampled_drafts_of_a_bf16_drafter_carry_fp32_distributions_that_sum_to_one():
+    """Rejection sampling divides by the draft distribution: it must be the one the race drew from, so
+    the softmax and the Exp(1) draws stay fp32 whatever the drafter's dtype."""
+    target = toy_target().to(torch.bfloat16)
+    drafter = toy_drafter(target).to(torch.bfloat16)
+    proposer, anchors = proposer_with(target, drafter, {"a": 30, "b": 9}, seed=2)
+    block = proposer.propose(["a", "b"], anchors, [1.0, 0.7], seeded([1, 2]))
+    assert block.probs.dtype == torch.float32
+    torch.testing.assert_close(block.probs.sum(-1), torch.ones(2, 3), rtol=0, atol=1e-5)

@@ -44,7 +44,7 @@ def draft_block(drafter: DSparkDrafter, hidden: Tensor, anchors: Tensor, num_dra
     temps = [0.0] * hidden.shape[0] if temperatures is None else list(temperatures)
     base = drafter.base_logits(hidden[:, :num_drafts])
     if any(t >= SAMPLING_EPS for t in temps):
-        noise = torch.empty_like(base)
+        noise = torch.empty(base.shape, dtype=torch.float32, device=base.device)  # fp32 draws, as the sampler's
         draw_noise(noise, temps, generators)
         tokens, probs = sampled_loop(drafter, base, anchors, to_device(temps, torch.float32, base.device), noise)
     else:  # nothing reads the one-hot rows of greedy drafts (rejection sampling takes None as one-hot)
@@ -81,13 +81,14 @@ def sampled_loop(drafter: DSparkDrafter, base: Tensor, anchors: Tensor, temps: T
     [B] < SAMPLING_EPS). Row i's draft j is argmax(q / E) over noise[i, j] = E ~ Exp(1), which draws
     from q; nothing reads back to the host, so it can be captured."""
     sampled = (temps >= SAMPLING_EPS).unsqueeze(1)
-    t = temps.clamp_min(SAMPLING_EPS).unsqueeze(1).to(base.dtype)
+    t = temps.float().clamp_min(SAMPLING_EPS).unsqueeze(1)
     tiny = torch.finfo(noise.dtype).tiny  # an exact 0 draw would make 0/0 = NaN on a masked token
     prev, tokens, probs = anchors, [], []
     for j in range(base.shape[1]):
         logits = base[:, j] + drafter.markov_bias(prev)
         greedy = logits.argmax(dim=-1)
-        q = (logits / t).softmax(dim=-1)
+        # fp32: rejection sampling divides by q, which must sum to 1 as the race draws from it
+        q = (logits.float() / t).softmax(dim=-1)
         race = (q / noise[:, j].clamp_min(tiny)).argmax(dim=-1)
         prev = torch.where(sampled.squeeze(1), race, greedy)
         one_hot = torch.nn.functional.one_hot(greedy, logits.shape[-1]).to(q.dtype)

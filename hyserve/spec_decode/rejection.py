@@ -152,7 +152,7 @@ def synthetic_acceptance(requests: Sequence[SpecRequest], rates: Sequence[float]
 
 def _plain_greedy(requests: Sequence[SpecRequest], allowed_token_mask: Tensor | None) -> bool:
     """Every request greedy with nothing that changes its argmax (penalties, logit bias, min_tokens, a
-    mask) and no logprobs: the raw logits decide the step (no sampling metadata: 0.1 ms of host time)."""
+    mask) and no logprobs: the raw logits decide the step, with no sampling metadata to build."""
     return allowed_token_mask is None and all(
         r.params.is_greedy and not r.params.has_penalties and not r.params.logit_bias and not r.params.min_tokens
         and r.params.logprobs is None for r in requests)
