@@ -30,6 +30,7 @@ import random
 import time
 
 from hyserve import LLM, SamplingParams
+from hyserve.engine.phases import PREFIX as PHASE_PREFIX
 
 _HELD: dict = {}
 
@@ -89,12 +90,15 @@ def profile_batch(llm: LLM, prompts: list[list[int]], output_len: int) -> None:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             run_batch(llm, prompts, n)
         kernels: dict[str, tuple[float, int]] = {}
+        host: dict[str, float] = {}
         for e in prof.key_averages():
             if e.self_device_time_total > 0:
                 ms, n = kernels.get(e.key, (0.0, 0))
                 kernels[e.key] = ms + e.self_device_time_total / 1e3, n + e.count
-        passes.append((sum(counts.values()) - before, kernels))
-    (s0, k0), (s1, k1) = passes
+            if e.key.startswith(PHASE_PREFIX):
+                host[e.key[len(PHASE_PREFIX):]] = host.get(e.key[len(PHASE_PREFIX):], 0.0) + e.cpu_time_total / 1e3
+        passes.append((sum(counts.values()) - before, kernels, host))
+    (s0, k0, h0), (s1, k1, h1) = passes
     steps = max(s1 - s0, 1)
     per = {name: ((t - k0.get(name, (0.0, 0))[0]) / steps, (n - k0.get(name, (0.0, 0))[1]) / steps)
            for name, (t, n) in k1.items()}
@@ -103,6 +107,11 @@ def profile_batch(llm: LLM, prompts: list[list[int]], output_len: int) -> None:
           "launches", flush=True)
     for name, (ms, n) in sorted(per.items(), key=lambda x: -x[1][0])[:40]:
         print(f"    {ms:8.3f} ms  {n:6.1f} x  {name[:90]}", flush=True)
+    # the engine's named host phases (hyserve/engine/phases.py); they nest: land holds propose, and sample
+    # and propose hold their read-backs (the wait for the GPU)
+    phases = {name: max(0.0, t - h0.get(name, 0.0)) / steps for name, t in h1.items()}
+    print("  host phases a step (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(phases.items(), key=lambda x: -x[1])),
+          flush=True)
 
 
 def measure(args, spec: dict | None) -> tuple[dict[int, float], dict[int, float | None], dict[int, list]]:

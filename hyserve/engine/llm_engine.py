@@ -22,6 +22,7 @@ from hyserve.engine.engine_core import EngineDeadError
 from hyserve.engine.kv_cache import KVCacheManager, plan_cache
 from hyserve.engine.model_runner import ModelRunner
 from hyserve.engine.output_processor import CompletionState, ParentRequest, check_stop
+from hyserve.engine.phases import phase, phased
 from hyserve.engine.readback import Readback
 from hyserve.engine.request import Request, RequestStatus
 from hyserve.engine.sampler import (
@@ -380,7 +381,9 @@ class LLMEngine:
         reqs = [out.seqs[i].req for i in logits.sample_rows]
         if self.spec is not None and self.spec.verifies(out):
             seqs = [out.seqs[i] for i in logits.sample_rows]
-            flight = self._launched_verify(out, reqs, self.spec.sample(seqs, logits.logits, self), now, seqs)
+            with phase("sample"):
+                result = self.spec.sample(seqs, logits.logits, self)
+            flight = self._launched_verify(out, reqs, result, now, seqs)
             return dataclasses.replace(flight, kind=kind, launched=launched)
         result = self._sample_on_device(reqs, logits.logits) if reqs else None
         for r in reqs:
@@ -465,6 +468,7 @@ class LLMEngine:
         constrained = [(j, r) for j, r in enumerate(reqs) if r.matcher is not None]
         return self.sampler(logits, meta, grammar_mask(constrained, logits))
 
+    @phased("land")
     def _land(self, flight: _Launched) -> None:
         """Read the sampled tokens back and apply them: outputs, logprobs, detokenizing, stop checks."""
         res, reqs, now = flight.result, flight.reqs, flight.now
@@ -474,7 +478,8 @@ class LLMEngine:
             return self.spec.land(flight.verify, res, now, self)
         for r in reqs:
             r.num_pending -= 1
-        host = flight.readback.lists()
+        with phase("readback"):
+            host = flight.readback.lists()
         tokens, lps, ranks, top_ids, top_lps = (host[k] for k in ("tokens", "lps", "ranks", "top_ids", "top_lps"))
         for j, req in enumerate(reqs):
             if req.is_finished:
@@ -529,6 +534,7 @@ class LLMEngine:
                     self.scheduler.finish(child, RequestStatus.FINISHED_ERROR)
             return RequestDelta(parent.request_id, finished=True, error=f"the engine failed on this request: {e!r}")
 
+    @phased("outputs")
     def _deltas(self, touched: set[Request]) -> list[_Emitted]:
         """Each touched request's delta; a finished request leaves the engine with it."""
         seen, outs = set(), []

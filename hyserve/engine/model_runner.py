@@ -12,6 +12,7 @@ import torch
 
 from hyserve.engine.cuda_graphs import DecodeGraphs
 from hyserve.engine.kv_cache import KVCacheManager
+from hyserve.engine.phases import phase
 from hyserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from hyserve.engine.step_inputs import PendingTokens, StepInputs, build_step_inputs
 from hyserve.models.batch import to_device
@@ -80,12 +81,14 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, pending: PendingTokens | None = None) -> StepLogits:
         """`pending`: where the ids of tokens sampled by the step before but not yet read back are."""
-        graph = self.uses_graph(out)
-        inputs, pending = self._graph_inputs(out.seqs, pending) if graph else (
-            build_step_inputs(out.seqs, self.kv.block_size, pending, pin=self._pin), pending)
+        with phase("step_inputs"):
+            graph = self.uses_graph(out)
+            inputs, pending = self._graph_inputs(out.seqs, pending) if graph else (
+                build_step_inputs(out.seqs, self.kv.block_size, pending, pin=self._pin), pending)
         prompt_rows = {} if graph else {i: min(s.end, s.req.num_prompt_tokens) - s.start
                                         for i, s in enumerate(out.seqs) if _wants_prompt_logits(s)}
-        logits = self.run(inputs, pending.token_ids if inputs.pending else None, prompt_rows, graph)
+        with phase("forward_launch"):
+            logits = self.run(inputs, pending.token_ids if inputs.pending else None, prompt_rows, graph)
         logits.graph = graph
         return logits
 

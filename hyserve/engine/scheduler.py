@@ -15,6 +15,7 @@ from typing import Literal
 
 from hyserve.config import EngineConfig
 from hyserve.engine.kv_cache import KVCacheManager
+from hyserve.engine.phases import phased
 from hyserve.engine.request import Request, RequestStatus
 from hyserve.spec_decode.scheduling import verify_len
 
@@ -97,6 +98,7 @@ class Scheduler:
         limit = spec.disable_by_batch_size if spec is not None else None
         return limit is None or len(self.running) < limit
 
+    @phased("schedule")
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.cfg.max_num_batched_tokens

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hyserve.engine.cuda_graphs import MAX_VERIFY_SEQS, graph_batch_sizes
+from hyserve.engine.phases import phase, phased
 from hyserve.spec_decode.confidence import threshold_lengths
 from hyserve.spec_decode.config import SpeculativeConfig
 from hyserve.spec_decode.dspark_graphs import DSparkGraphs, bytes_per_row, width_ladder
@@ -98,6 +99,7 @@ class DSparkDecoder(SpecDecoder):
         self._verify_rows.clear()
         super().after_verify(seqs)
 
+    @phased("propose")
     def propose(self, reqs: Sequence[Request]) -> None:
         for r in reqs:
             r.spec_token_ids = []
@@ -120,7 +122,8 @@ class DSparkDecoder(SpecDecoder):
             # reads h_j and draft j-1, never draft j, so the cut is a stopping rule and the output stays exact
             room = threshold_lengths(block.confidence, self.config.confidence_threshold)
             out = torch.cat([out, room.to(out.dtype).unsqueeze(1)], 1)
-        rows = out.tolist()  # one read-back for the batch: the drafts, then the verified count if cut
+        with phase("readback"):
+            rows = out.tolist()  # one read-back for the batch: the drafts, then the verified count if cut
         k = self.proposer.k
         for i, r in enumerate(live):
             room = rows[i][k] if len(rows[i]) > k else k

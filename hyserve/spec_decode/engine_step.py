@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hyserve.engine.phases import phased
 from hyserve.engine.sampler import grammar_mask
 from hyserve.spec_decode.config import SpeculativeConfig
 from hyserve.spec_decode.ngram import NgramProposer, TokenHistory
@@ -55,6 +56,7 @@ class SpecDecoder:
         """The step carries drafts: it is sampled by rejection and lands before anything plans on it."""
         return any(s.draft_ids for s in out.seqs)
 
+    @phased("propose")
     def propose(self, reqs: Sequence[Request]) -> None:
         """New drafts for requests whose newest token just landed. Structured outputs do not speculate (their
         grammar would have to be advanced through every draft prefix); a request with a token still on the

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from hyserve.engine.phases import phase
 from hyserve.engine.sampler import Sampler, _exponential_race, _logprob_stats
 from hyserve.models.batch import to_device
 from hyserve.spec_decode.target_probs import SpecRequest, process_logits, row_metadata, row_requests
@@ -164,7 +165,9 @@ def _greedy_output(greedy_logits: Tensor, requests: Sequence[SpecRequest],
     row (a correction, a bonus, or after the curve's stop in synthetic mode), so one argmax over the rows
     and one read-back decide the step; the general path reads back three to five times and builds its
     bookkeeping on the device (about 2 ms of host time a step at batch 1 on an H200)."""
-    best = greedy_logits.argmax(dim=-1).tolist()
+    ids = greedy_logits.argmax(dim=-1)
+    with phase("readback"):
+        best = ids.tolist()
     k = [len(r.draft_token_ids) for r in requests]
     passed = None if synthetic_rates is None else synthetic_acceptance(requests, synthetic_rates,
                                                                        [j for n in k for j in range(n)])
