@@ -24,9 +24,7 @@ def phased(name: str):
     def wrap(fn):
         @functools.wraps(fn)
         def inner(*args, **kwargs):
-            if torch._C._autograd._profiler_enabled():
-                with torch.profiler.record_function(PREFIX + name):
-                    return fn(*args, **kwargs)
-            return fn(*args, **kwargs)
+            with phase(name):
+                return fn(*args, **kwargs)
         return inner
     return wrap

@@ -89,6 +89,17 @@ def _dense_gemv_kernel(x_ptr, s_xm, w_ptr, s_wr, y_ptr, s_ym, part_ptr, count_pt
             tl.store(count_ptr + rb, 0)  # the next launch on the stream starts after this one ends
 
 
+def _splits(x: torch.Tensor, y: torch.Tensor, n: int, k: int, bn: int, bk: int, split: int):
+    """(columns a split, splits, row blocks, the fp32 partials, the arrival counters) of a split-K launch
+    over x's rows; without a split both buffers are y (unused)."""
+    ks = triton.cdiv(triton.cdiv(k, split), bk) * bk  # whole column blocks per split
+    split = triton.cdiv(k, ks)
+    blocks = triton.cdiv(n, bn)
+    part = torch.empty(split * x.shape[0], n, dtype=torch.float32, device=x.device) if split > 1 else y
+    count = arrival_counters(x.device, blocks) if split > 1 else y
+    return ks, split, blocks, part, count
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None,
          silu_glu: bool = False, out: torch.Tensor | None = None, pdl: bool | None = None) -> torch.Tensor:
     """x [T, K] @ weight[N, K]ᵀ -> [T, N] in x's dtype, fp32 accumulation. `config` (BLOCK_N, BLOCK_K, warps,
@@ -108,11 +119,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
         config = gemv_config(n, k, silu_glu, sms)
     bn, bk, warps, stages, split = config
-    ks = triton.cdiv(triton.cdiv(k, split), bk) * bk  # whole column blocks per split
-    split = triton.cdiv(k, ks)
-    blocks = triton.cdiv(n, bn)
-    part = torch.empty(split * t, n, dtype=torch.float32, device=x.device) if split > 1 else y
-    count = arrival_counters(x.device, blocks) if split > 1 else y
+    ks, split, blocks, part, count = _splits(x, y, n, k, bn, bk, split)
     pdl = use_pdl(x, pdl, PDL)
     es = weight.element_size()
     # the bulk prefetch takes 16-byte aligned spans of whole 16 bytes
@@ -198,15 +205,12 @@ def gemv_tokens(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, out: 
     y = torch.empty(t, n, dtype=x.dtype, device=x.device) if out is None else out
     assert y.shape == (t, n) and y.stride(-1) == 1
     bn, bk, warps, stages, split = config
-    ks = triton.cdiv(triton.cdiv(k, split), bk) * bk
-    split = triton.cdiv(k, ks)
-    blocks = triton.cdiv(n, bn)
-    part = torch.empty(split * t, n, dtype=torch.float32, device=x.device) if split > 1 else y
-    count = arrival_counters(x.device, blocks) if split > 1 else y
+    bn, bk = max(16, bn), max(16, bk)  # a tensor-core dot's smallest tile
+    ks, split, blocks, part, count = _splits(x, y, n, k, bn, bk, split)
     pdl = use_pdl(x, pdl, PDL)
     _dense_tokens_kernel[(blocks, split)](
         x, x.stride(0), weight, weight.stride(0), y, y.stride(0), part, count, n, k, t, ks,
-        TP=max(16, triton.next_power_of_2(t)), BN=max(16, bn), BK=max(16, bk), SPLIT=split,
+        TP=max(16, triton.next_power_of_2(t)), BN=bn, BK=bk, SPLIT=split,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl, num_warps=warps, num_stages=stages,
         **({"launch_pdl": True} if pdl else {}),
     )
