@@ -31,6 +31,7 @@ import time
 
 from hyserve import LLM, SamplingParams
 from hyserve.engine.phases import PREFIX as PHASE_PREFIX
+from hyserve.engine.phases import timed
 
 _HELD: dict = {}
 
@@ -78,9 +79,11 @@ def run_batch(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[floa
 
 
 def profile_batch(llm: LLM, prompts: list[list[int]], output_len: int) -> None:
-    """Two more passes under torch.profiler, the batch's prompts with 1 and with output_len output tokens:
-    their difference is the decode (or verify) steps alone, prefill left out. Prints the GPU kernel time
-    per step (against the step's wall time, unprofiled: TPOT x tokens per step) and the kernels by time."""
+    """Passes of the batch's prompts with 1 and with output_len output tokens, whose difference is the decode
+    (or verify) steps alone, prefill left out: under torch.profiler, the GPU kernels a step (against the
+    step's wall time, unprofiled: TPOT x tokens per step); clocked without a profiler (phases.timed: the
+    profiler's per-op records inflate host time several-fold), the engine's host phases a step; then the
+    step's CUDA graph replayed alone (`replay_alone`)."""
     from torch.profiler import ProfilerActivity, profile
 
     counts = llm.engine.stats.steps.steps  # the engine's own step counters (hyserve:engine_steps)
@@ -90,15 +93,12 @@ def profile_batch(llm: LLM, prompts: list[list[int]], output_len: int) -> None:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             run_batch(llm, prompts, n)
         kernels: dict[str, tuple[float, int]] = {}
-        host: dict[str, float] = {}
         for e in prof.key_averages():
-            if e.self_device_time_total > 0:
-                ms, n = kernels.get(e.key, (0.0, 0))
-                kernels[e.key] = ms + e.self_device_time_total / 1e3, n + e.count
-            if e.key.startswith(PHASE_PREFIX):
-                host[e.key[len(PHASE_PREFIX):]] = host.get(e.key[len(PHASE_PREFIX):], 0.0) + e.cpu_time_total / 1e3
-        passes.append((sum(counts.values()) - before, kernels, host))
-    (s0, k0, h0), (s1, k1, h1) = passes
+            if e.self_device_time_total > 0 and not e.key.startswith(PHASE_PREFIX):
+                ms, c = kernels.get(e.key, (0.0, 0))
+                kernels[e.key] = ms + e.self_device_time_total / 1e3, c + e.count
+        passes.append((sum(counts.values()) - before, kernels))
+    (s0, k0), (s1, k1) = passes
     steps = max(s1 - s0, 1)
     per = {name: ((t - k0.get(name, (0.0, 0))[0]) / steps, (n - k0.get(name, (0.0, 0))[1]) / steps)
            for name, (t, n) in k1.items()}
@@ -107,11 +107,52 @@ def profile_batch(llm: LLM, prompts: list[list[int]], output_len: int) -> None:
           "launches", flush=True)
     for name, (ms, n) in sorted(per.items(), key=lambda x: -x[1][0])[:40]:
         print(f"    {ms:8.3f} ms  {n:6.1f} x  {name[:90]}", flush=True)
-    # the engine's named host phases (hyserve/engine/phases.py); they nest: land holds propose, and sample
-    # and propose hold their read-backs (the wait for the GPU)
-    phases = {name: max(0.0, t - h0.get(name, 0.0)) / steps for name, t in h1.items()}
-    print("  host phases a step (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(phases.items(), key=lambda x: -x[1])),
-          flush=True)
+    clocks = []
+    for n in (1, output_len):
+        before = sum(counts.values())
+        with timed() as clock:
+            t0 = time.perf_counter()
+            run_batch(llm, prompts, n)
+            wall = time.perf_counter() - t0
+        clocks.append((sum(counts.values()) - before, dict(clock), wall))
+    (s0, c0, w0), (s1, c1, w1) = clocks
+    steps = max(s1 - s0, 1)
+    # they nest: land holds propose, and sample and propose hold their read-backs (the wait for the GPU)
+    phases = {name: max(0.0, t - c0.get(name, (0.0, 0))[0]) / steps * 1e3 for name, (t, _) in c1.items()}
+    print(f"  host phases a step, unprofiled (ms; a step takes {(w1 - w0) / steps * 1e3:.3f}): "
+          + ", ".join(f"{k} {v:.3f}" for k, v in sorted(phases.items(), key=lambda x: -x[1])), flush=True)
+    replay_alone(llm, prompts[0])
+
+
+def replay_alone(llm: LLM, prompt: list[int], n: int = 50) -> None:
+    """The GPU time of a step's CUDA graph replayed back to back (no host work between the steps): one
+    request decodes until a step replays the graph of 1 row of 1 + k tokens (k: the config's drafts; 1
+    without speculation), that graph replays n times over its static inputs (rewriting the request's own
+    rows and state columns), and the request is aborted. A step's wall time minus this is the host's share."""
+    import torch
+
+    engine = llm.engine
+    graphs, spec = engine.runner.graphs, engine.cfg.speculative_config
+    want = (1, 1 + (spec.num_speculative_tokens if spec is not None else 0))
+    if graphs is None or want not in graphs.graphs:
+        return
+    engine.add_request("replay-alone", prompt, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
+    while engine.has_unfinished_requests() and graphs.last_key != want:
+        engine.step_deltas()
+    if graphs.last_key == want:
+        graph = graphs.graphs[want]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        graph.replay()
+        start.record()
+        for _ in range(n):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        print(f"  graph of {want[0]} row x {want[1]} tokens replayed alone: {start.elapsed_time(end) / n:.3f} ms a step",
+              flush=True)
+    engine.abort_request("replay-alone")
+    while engine.has_unfinished_requests():
+        engine.step_deltas()
 
 
 def measure(args, spec: dict | None) -> tuple[dict[int, float], dict[int, float | None], dict[int, list]]:

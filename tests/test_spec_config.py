@@ -30,6 +30,15 @@ def test_dspark_takes_the_drafter_directory_and_may_leave_the_count_to_it():
     assert cfg.model == "/m/drafter" and cfg.num_speculative_tokens is None and cfg.confidence_threshold == 0.3
 
 
+def test_ngram_drafts_are_budgeted_by_default_and_zero_verifies_every_draft():
+    assert parse_speculative_config({"method": "ngram", "num_speculative_tokens": 3}).confidence_threshold == 0.3
+    assert parse_speculative_config({"method": "ngram", "num_speculative_tokens": 3,
+                                     "confidence_threshold": 0}).confidence_threshold == 0
+    synthetic = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 3,
+                                          "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 2})
+    assert synthetic.confidence_threshold is None  # its curve verifies every draft
+
+
 def test_none_means_no_speculation():
     assert parse_speculative_config(None) is None
 
@@ -55,7 +64,9 @@ def test_synthetic_length_becomes_the_least_variance_curve():
     ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}', ">= 1"),
     ('{"method": "dspark"}', "needs 'model'"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "draft_sample_method": "top"}', "draft_sample_method"),
-    ('{"method": "ngram", "num_speculative_tokens": 2, "confidence_threshold": 0.5}', "confidence head"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic", '
+     '"synthetic_acceptance_length": 2, "confidence_threshold": 0.5}', "judges no draft"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "confidence_threshold": -0.1}', "in [0, 1]"),
     ('{"method": "dspark", "model": "d", "confidence_threshold": 1.5}', "in [0, 1]"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic"}', "exactly one"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic", '

@@ -22,7 +22,9 @@ from hyserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from hyserve.engine.step_inputs import build_step_inputs
 
 K = 3
-NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# every draft verified (no draft budget): these tests judge the verify path itself, step by step
+NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "confidence_threshold": 0}
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
 
@@ -387,16 +389,81 @@ def test_steps_overlap_again_while_speculation_is_off_under_load(make_llm):
     prompts = repetitive_prompts(3, seed=4)
     plain = run(make_llm(async_scheduling=True), prompts)
     llm = make_llm(async_scheduling=True, speculative_config=dict(NGRAM, disable_by_batch_size=3))
-    eng, overlapped = llm.engine, []
-    launch = eng._launch
+    overlapped = launches_overlapped(llm.engine)
+    assert run(llm, prompts) == plain
+    assert any(overlapped)
 
-    def counted(out, prev):  # prev: the step still in flight, not read back yet
+
+def launches_overlapped(engine) -> list[bool]:
+    """A list that gets, for every step the engine launches, whether the step before was still in flight
+    (not read back yet)."""
+    overlapped, launch = [], engine._launch
+
+    def counted(out, prev):
         overlapped.append(prev is not None)
         return launch(out, prev)
 
-    eng._launch = counted
-    assert run(llm, prompts) == plain
-    assert any(overlapped)
+    engine._launch = counted
+    return overlapped
+
+
+class Exact:
+    """A drafter that knows the plain run's outputs and is always right."""
+
+    def __init__(self, refs: dict[tuple[int, ...], list[int]]):
+        self.refs = refs
+
+    def __len__(self) -> int:
+        return 0
+
+    def propose(self, histories, keys=None):
+        out = []
+        for h in histories:
+            h = h[:]
+            prompt = next(p for p in self.refs if tuple(h[: len(p)]) == p and len(h) >= len(p))
+            out.append(list(self.refs[prompt][len(h) - len(prompt) :][:K]))
+        return out
+
+
+BUDGETED = {k: v for k, v in NGRAM.items() if k != "confidence_threshold"}  # the default: a draft budget
+LONG = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+
+
+def test_the_draft_budget_stops_verifying_drafts_that_never_pass_and_keeps_the_output(make_llm):
+    prompts = repetitive_prompts(3, seed=5)
+    plain = run(make_llm(async_scheduling=True), prompts, LONG)
+    refs = {tuple(p): o for p, o in zip(prompts, plain)}
+    every = make_llm(async_scheduling=True, speculative_config=NGRAM)
+    every.engine.spec.proposer = Oracle(refs, wrong=True)
+    budgeted = make_llm(async_scheduling=True, speculative_config=BUDGETED)
+    budgeted.engine.spec.proposer = Oracle(refs, wrong=True)
+    assert run(every, prompts, LONG) == plain and run(budgeted, prompts, LONG) == plain
+    assert every.engine.stats.spec_decode.num_drafts > 100  # every step of every request
+    # three misses each until their rates fall, then a retry every few dozen steps
+    assert budgeted.engine.stats.spec_decode.num_drafts <= 20
+
+
+def test_the_draft_budget_verifies_every_draft_of_a_drafter_that_is_always_right(make_llm):
+    prompts = repetitive_prompts(3, seed=5)
+    plain = run(make_llm(), prompts, LONG)
+    llm = make_llm(speculative_config=BUDGETED)
+    llm.engine.spec.proposer = Exact({tuple(p): o for p, o in zip(prompts, plain)})
+    assert run(llm, prompts, LONG) == plain
+    st = llm.engine.stats.spec_decode
+    assert st.num_accepted_tokens == st.num_draft_tokens > 0
+    assert st.num_draft_tokens >= K * (st.num_drafts - len(prompts))  # full drafts but at each request's end
+
+
+def test_steps_overlap_again_once_the_draft_budget_turns_every_request_down(make_llm):
+    """Async scheduling: once no request's drafts could pay, the engine does not wait for a step's tokens to
+    draft: later steps launch while the step before is in flight, and the output is the same."""
+    prompts = repetitive_prompts(2, seed=6)
+    plain = run(make_llm(async_scheduling=True), prompts, LONG)
+    llm = make_llm(async_scheduling=True, speculative_config=BUDGETED)
+    llm.engine.spec.proposer = Oracle({tuple(p): o for p, o in zip(prompts, plain)}, wrong=True)
+    overlapped = launches_overlapped(llm.engine)
+    assert run(llm, prompts, LONG) == plain
+    assert not any(overlapped[:3]) and sum(overlapped[-20:]) >= 15
 
 
 def test_dspark_turns_itself_off_at_disable_by_batch_size(make_llm, drafter_dir):

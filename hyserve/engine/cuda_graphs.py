@@ -108,6 +108,7 @@ class DecodeGraphs:
         self.verify_sizes = {q: sorted(v) for q, v in (verify or {}).items() if v}
         self.max_blocks = -(-max_model_len // kv.block_size)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (batch size, tokens per row)
+        self.last_key: tuple[int, int] | None = None  # the (size, tokens per row) the last `run` took
         keys = [(s, 1) for s in self.sizes] + [(s, q) for q, v in self.verify_sizes.items() for s in v]
         self._layouts = {(s, q): StepLayout(s * q, s, 0, self.max_blocks, spec_width if q > 1 else 0) for s, q in keys}
         dev, n = model.device, self.sizes[-1]
@@ -169,7 +170,7 @@ class DecodeGraphs:
         until the next call. `prev_tokens` [<= max_prev] on the device: the ids the rows' sources point into."""
         layout, p = inputs.layout, self.max_prev
         size, w, head = layout.num_seqs, layout.width, layout.table_offset
-        key = size, layout.num_tokens // size
+        key = self.last_key = size, layout.num_tokens // size
         if prev_tokens is not None:
             # stream-ordered behind the sampler that wrote them and the replay before, which read prev
             self._prev[: prev_tokens.numel()].copy_(prev_tokens)

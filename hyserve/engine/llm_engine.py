@@ -313,10 +313,12 @@ class LLMEngine:
         return self._deltas(touched)
 
     def _spec_waits(self) -> bool:
-        """Speculation needs the step before landed: its requests draft from their tokens on the host."""
+        """Speculation needs the step before landed: its requests draft from their tokens on the host (unless
+        the drafts could not pay for their step: the decoder's budget)."""
         if self.spec is None:
             return False
-        return self.scheduler.speculating() or any(r.spec_token_ids for r in self.scheduler.running)
+        running = self.scheduler.running
+        return any(r.spec_token_ids for r in running) or (self.scheduler.speculating() and self.spec.may_draft(running))
 
     def _step_async(self) -> list[_Emitted]:
         """Launch step k+1 before reading back step k's tokens, so scheduling, input preparation and

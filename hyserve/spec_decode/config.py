@@ -3,7 +3,9 @@
 vLLM's names and defaults where it has the setting (method, num_speculative_tokens, model,
 prompt_lookup_min/max, draft_sample_method, rejection_sample_method, synthetic_acceptance_rates /
 synthetic_acceptance_length, disable_by_batch_size). `confidence_threshold` is hyserve's own: confidence-scheduled
-verification for drafters with a confidence head (docs/speculative_decoding.md).
+verification, from a DSpark drafter's confidence head, or for n-gram drafts from each request's measured
+acceptance (on by default there, with the rule that drafts must pay for the step: draft_budget.py;
+0 verifies every draft) (docs/speculative_decoding.md).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ REJECTION_SAMPLE_METHODS = ("standard", "synthetic")
 MAX_SPEC_TOKENS = 128
 # vLLM's n-gram default when neither lookup bound is given
 DEFAULT_PROMPT_LOOKUP = 5
+# n-gram drafts: the survival (measured acceptance ^ position) a draft needs to be verified, unless given
+DEFAULT_NGRAM_CONFIDENCE = 0.3
 
 
 @dataclass
@@ -36,7 +40,9 @@ class SpeculativeConfig:
     # synthetic: entry i is the probability that drafts 0..i are all accepted (non-increasing)
     synthetic_acceptance_rates: list[float] | None = None
     synthetic_acceptance_length: float | None = None  # mean accepted per step incl. the bonus, in [1, k+1]
-    confidence_threshold: float | None = None  # verify the draft prefix whose predicted survival clears it
+    # verify the draft prefix whose predicted survival clears it (n-gram: None = DEFAULT_NGRAM_CONFIDENCE,
+    # and drafts must pay for their step; 0 verifies every draft)
+    confidence_threshold: float | None = None
     # under load speculation turns itself off: a step whose running batch holds at least this many requests
     # verifies no drafts (a full batch is bound by the weights' reads, which drafts do not share out)
     disable_by_batch_size: int | None = None
@@ -60,10 +66,13 @@ class SpeculativeConfig:
             raise ValueError(f"disable_by_batch_size must be >= 2 (a batch of one always speculates), "
                              f"got {self.disable_by_batch_size}")
         if self.confidence_threshold is not None:
-            if self.method != "dspark":
-                raise ValueError("confidence_threshold needs a drafter with a confidence head (method 'dspark')")
+            if self.method == "ngram" and self.rejection_sample_method == "synthetic" and self.confidence_threshold:
+                raise ValueError("confidence_threshold does not apply to n-gram drafts under rejection_sample_method "
+                                 "'synthetic' (its curve judges no draft: every step verifies num_speculative_tokens)")
             if not 0.0 <= self.confidence_threshold <= 1.0:
                 raise ValueError(f"confidence_threshold must be in [0, 1], got {self.confidence_threshold}")
+        elif self.method == "ngram" and self.rejection_sample_method != "synthetic":
+            self.confidence_threshold = DEFAULT_NGRAM_CONFIDENCE
 
     def _check_counts(self) -> None:
         k = self.num_speculative_tokens

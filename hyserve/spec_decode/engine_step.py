@@ -19,7 +19,10 @@ import torch
 
 from hyserve.engine.phases import phased
 from hyserve.engine.sampler import grammar_mask
+from hyserve.planning.ceilings import H200, ceilings_for
+from hyserve.planning.step_cost import StepCostModel
 from hyserve.spec_decode.config import SpeculativeConfig
+from hyserve.spec_decode.draft_budget import DraftBudget, step_seconds
 from hyserve.spec_decode.ngram import NgramProposer, TokenHistory
 from hyserve.spec_decode.reference_loop import SpecStats
 from hyserve.spec_decode.rejection import RejectionOutput, rejection_sample
@@ -39,22 +42,43 @@ def make_decoder(spec: SpeculativeConfig, max_model_len: int, model: torch.nn.Mo
         from hyserve.spec_decode.engine_dspark import DSparkDecoder
 
         return DSparkDecoder(spec, max_model_len, model, scheduler)
-    return SpecDecoder(spec, max_model_len, scheduler)
+    return SpecDecoder(spec, max_model_len, scheduler, _budget(spec, model))
+
+
+def _budget(spec: SpeculativeConfig, model: torch.nn.Module) -> DraftBudget | None:
+    """n-gram drafts' budget (draft_budget.py): none under a synthetic curve or a threshold of 0. Steps are
+    costed at the device's ceilings (the H200's where none are known: only their ratios matter)."""
+    if spec.method != "ngram" or not spec.confidence_threshold:
+        return None
+    device = getattr(model, "device", torch.device("cpu"))
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    cost = StepCostModel(model.config, weight_bytes=model.dtype.itemsize)
+    return DraftBudget(spec.confidence_threshold, step_seconds(cost.weight_bytes, (ceilings_for(name) or H200).copy_bytes_per_s))
 
 
 class SpecDecoder:
-    def __init__(self, spec: SpeculativeConfig, max_model_len: int, scheduler):
-        self.config, self.scheduler = spec, scheduler
+    def __init__(self, spec: SpeculativeConfig, max_model_len: int, scheduler, budget: DraftBudget | None = None):
+        self.config, self.scheduler, self.budget = spec, scheduler, budget
         if spec.method == "ngram":
             self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max,
                                           spec.num_speculative_tokens, max_model_len)
         self.synthetic = spec.synthetic_acceptance_rates if spec.rejection_sample_method == "synthetic" else None
         self.stats = SpecStats()  # the engine's cumulative counters (vLLM's spec_decode_* metrics)
+        self._verified: set[Request] = set()  # the requests whose drafts the last verify step judged
 
     @staticmethod
     def verifies(out: SchedulerOutput) -> bool:
         """The step carries drafts: it is sampled by rejection and lands before anything plans on it."""
         return any(s.draft_ids for s in out.seqs)
+
+    def may_draft(self, running: Sequence[Request]) -> bool:
+        """Whether the next landing could give a running request drafts (the engine then waits for the step
+        in flight before planning the next, so that the drafts come from every token): not when the budget
+        says that even full drafts would not pay."""
+        if self.budget is None:
+            return True
+        keys = [r.request_id for r in running]
+        return self.budget.may_draft(keys, self.config.num_speculative_tokens, len(running))
 
     @phased("propose")
     def propose(self, reqs: Sequence[Request]) -> None:
@@ -64,18 +88,34 @@ class SpecDecoder:
         live = [r for r in reqs if not r.is_finished and r.matcher is None and not r.num_pending]
         for r in reqs:
             r.spec_token_ids = []
+        self._landed_without_verify(reqs)
         if not self.scheduler.speculating():  # under load (disable_by_batch_size) nothing drafts
             return
         k = self.config.num_speculative_tokens
         known = (*self.scheduler.running, *self.scheduler.waiting)
         if len(self.proposer) > len(known):  # indexes of requests that finished or were aborted meanwhile
             self.proposer.retain(r.request_id for r in (*known, *live))
+            if self.budget is not None:
+                self.budget.retain(r.request_id for r in (*known, *live))
         histories = [TokenHistory(r.prompt_token_ids, r.output_token_ids) for r in live]
-        for r, drafts in zip(live, self.proposer.propose(histories, [r.request_id for r in live])):
+        proposals = self.proposer.propose(histories, [r.request_id for r in live])
+        if self.budget is not None:
+            keep = self.budget.lengths([r.request_id for r in live], [len(d) for d in proposals],
+                                       len(self.scheduler.running))
+            proposals = [d[:n] for d, n in zip(proposals, keep)]
+        for r, drafts in zip(live, proposals):
             if self.synthetic is not None:  # the curve judges no draft: every step verifies k (the AgentX runs')
                 last = r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1]
                 drafts = list(drafts) + [last] * (k - len(drafts))
             r.spec_token_ids = drafts
+
+    def _landed_without_verify(self, reqs: Sequence[Request]) -> None:
+        """The budget's counts of the requests that verified nothing in the step that just landed decay."""
+        if self.budget is not None:
+            for r in reqs:
+                if r not in self._verified:
+                    self.budget.idle(r.request_id)
+        self._verified.clear()
 
     def sample(self, seqs: Sequence[ScheduledSeq], logits: torch.Tensor, engine: LLMEngine) -> RejectionOutput:
         """Rejection sampling of the sampling sequences `seqs` (in the logits' order: 1 + drafts rows each)."""
@@ -111,6 +151,9 @@ class SpecDecoder:
             if req.is_finished:
                 continue
             self.stats.add(len(s.draft_ids), a)
+            if self.budget is not None and s.draft_ids:
+                self.budget.record(req.request_id, len(s.draft_ids), a)
+                self._verified.add(req)
             status, kept = None, a
             for j, tok in enumerate(emitted):
                 status = engine.append_token(req, tok, now, *(None if v is None else v[base + j] for v in lps))
