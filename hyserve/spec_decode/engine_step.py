@@ -95,8 +95,8 @@ class SpecDecoder:
         known = (*self.scheduler.running, *self.scheduler.waiting)
         if len(self.proposer) > len(known):  # indexes of requests that finished or were aborted meanwhile
             self.proposer.retain(r.request_id for r in (*known, *live))
-            if self.budget is not None:
-                self.budget.retain(r.request_id for r in (*known, *live))
+        if self.budget is not None and len(self.budget) > len(known):  # and their acceptance records
+            self.budget.retain(r.request_id for r in (*known, *live))
         histories = [TokenHistory(r.prompt_token_ids, r.output_token_ids) for r in live]
         proposals = self.proposer.propose(histories, [r.request_id for r in live])
         if self.budget is not None:
