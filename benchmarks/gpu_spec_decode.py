@@ -126,7 +126,7 @@ def profile_batch(llm: LLM, prompts: list[list[int]], output_len: int) -> None:
 
 def replay_alone(llm: LLM, prompt: list[int], n: int = 50) -> None:
     """The GPU time of a step's CUDA graph replayed back to back (no host work between the steps): one
-    request decodes until a step replays the graph of 1 row of 1 + k tokens (k: the config's drafts; 1
+    request decodes until a step replays the graph of 1 row of 1 + k tokens (k the config's drafts, 0
     without speculation), that graph replays n times over its static inputs (rewriting the request's own
     rows and state columns), and the request is aborted. A step's wall time minus this is the host's share."""
     import torch
@@ -137,6 +137,8 @@ def replay_alone(llm: LLM, prompt: list[int], n: int = 50) -> None:
     if graphs is None or want not in graphs.graphs:
         return
     engine.add_request("replay-alone", prompt, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
+    for _ in range(2):  # its prompt, then a graph step of its own (last_key no longer an earlier batch's)
+        engine.step_deltas()
     while engine.has_unfinished_requests() and graphs.last_key != want:
         engine.step_deltas()
     if graphs.last_key == want:
