@@ -77,7 +77,7 @@ class SpecDecoder:
         says that even full drafts would not pay."""
         if self.budget is None:
             return True
-        keys = [r.request_id for r in running]
+        keys = [r.request_id for r in running if r.matcher is None]  # structured outputs never draft
         return self.budget.may_draft(keys, self.config.num_speculative_tokens, len(running))
 
     @phased("propose")
