@@ -23,7 +23,7 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 # decay of a request's counts per verify step it takes part in (about the last ten steps weigh), and per
-# step it verifies nothing (a request turned down after three misses is tried again some 40 steps later)
+# step it verifies nothing (a request turned down after a few misses is tried again some 20-40 steps later)
 VERIFY_DECAY = 0.9
 IDLE_DECAY = 0.99
 # the step cost model's time of a graph-replayed step is weight bytes / copy bandwidth + this (the 48B
