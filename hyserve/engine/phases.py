@@ -21,17 +21,17 @@ def phase(name: str) -> contextlib.AbstractContextManager:
     if torch._C._autograd._profiler_enabled():
         return torch.profiler.record_function(PREFIX + name)
     if _clock is not None:
-        return _clocked(name)
+        return _clocked(_clock, name)
     return contextlib.nullcontext()
 
 
 @contextlib.contextmanager
-def _clocked(name: str):
+def _clocked(clock: dict[str, list[float]], name: str):
     t0 = time.perf_counter()
     try:
         yield
     finally:
-        entry = _clock.setdefault(name, [0.0, 0]) if _clock is not None else [0.0, 0]
+        entry = clock.setdefault(name, [0.0, 0])
         entry[0] += time.perf_counter() - t0
         entry[1] += 1
 
