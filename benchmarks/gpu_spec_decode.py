@@ -164,6 +164,8 @@ def measure(args, spec: dict | None) -> tuple[dict[int, float], dict[int, float 
     llm = LLM(args.model, speculative_config=spec, **kw) if spec is not None else LLM(args.model, **kw)
     # progress as it goes: a run cut short by its time limit still tells what it measured
     print(f"engine {json.dumps(spec)}: ready in {time.perf_counter() - t0:.1f} s", flush=True)
+    if llm.engine.memory_profile is not None:  # what the cache was sized around
+        print(f"  {llm.engine.memory_profile.describe()}; {llm.engine.cache_plan.describe()}", flush=True)
     tpot, accept, outputs = {}, {}, {}
     for b in args.batch_list:
         prompts = prompts_for(llm, args.workload, b, args.prompt_len, seed=b)

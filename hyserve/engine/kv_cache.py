@@ -59,11 +59,20 @@ class CachePlan:
         )
 
 
+def device_cache_budget(free: int, total: int, utilization: float, activation_bytes: int) -> int:
+    """The bytes the cache may take on a device: total x utilization less what is in use now (total - free:
+    weights, buffers, the CUDA context, other processes) less the largest steps' peak."""
+    return int(free - (1 - utilization) * total) - activation_bytes
+
+
 def plan_cache(
-    cfg: EngineConfig, model: KimiForCausalLM, dtype: torch.dtype, max_model_len: int, scratch: bool = False
+    cfg: EngineConfig, model: KimiForCausalLM, dtype: torch.dtype, max_model_len: int, scratch: bool = False,
+    activation_bytes: int = 0,
 ) -> CachePlan:
     """`scratch`: set aside one page and one state slot for CUDA-graph padding rows (CachePlan.scratch).
-    A model split over ranks plans on them (distributed/executor.py `RankWorkers.plan_cache`)."""
+    `activation_bytes`: what the largest steps allocate beside the cache (planning/memory_profile.py), kept
+    out of the budget on CUDA. A model split over ranks plans on them (distributed/executor.py
+    `RankWorkers.plan_cache`)."""
     if hasattr(model, "plan_cache"):
         return model.plan_cache(cfg, dtype, max_model_len, scratch)
     mc = model.config
@@ -84,7 +93,7 @@ def plan_cache(
         torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(model.device)
         total = torch.cuda.get_device_properties(model.device).total_memory
-        budget = int(free - (1 - cfg.gpu_memory_utilization) * total)
+        budget = device_cache_budget(free, total, cfg.gpu_memory_utilization, activation_bytes)
     else:
         budget = _CPU_DEFAULT_POOL_BYTES
     spec = cfg.speculative_config
@@ -101,9 +110,11 @@ def plan_cache(
     else:
         num_blocks = (budget - num_slots * slot_bytes) // page_bytes
     if num_blocks - extra < 1 or num_slots - extra - ckpt_slots < 1:
+        steps = f" after {activation_bytes / (1 << 30):.2f} GiB for the largest steps" if activation_bytes else ""
         raise MemoryError(
-            f"the cache budget ({budget / (1 << 30):.2f} GiB) cannot hold one page and {num_slots} state slots "
-            f"of {slot_bytes / (1 << 20):.1f} MiB: lower --max-num-seqs or raise the memory budget"
+            f"the cache budget ({budget / (1 << 30):.2f} GiB{steps}) cannot hold one page and {num_slots} state "
+            f"slots of {slot_bytes / (1 << 20):.1f} MiB: lower --max-num-seqs or --max-num-batched-tokens, or "
+            "raise --gpu-memory-utilization (or --kv-cache-memory-bytes)"
             + (" (speculative decoding takes 1 + num_speculative_tokens slots per sequence)" if spec is not None else "")
         )
     if num_blocks * cfg.block_size < max_model_len:

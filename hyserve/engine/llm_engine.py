@@ -41,6 +41,7 @@ from hyserve.models.loader import load_model, resolve_dtype
 from hyserve.models.segment_graphs import segment_graph_sizes
 from hyserve.outputs import Logprob, OutputAccumulator, RequestDelta, RequestOutput
 from hyserve.planning import compile_watch
+from hyserve.planning.memory_profile import profile_memory
 from hyserve.planning.warmup import plan_warmup, run_warmup
 from hyserve.sampling_params import SamplingParams
 from hyserve.spec_decode.engine_step import make_decoder
@@ -145,7 +146,13 @@ class LLMEngine:
         cache_dtype = self.model.dtype if cfg.kv_cache_dtype == "auto" else resolve_dtype(cfg.kv_cache_dtype, self.model_config)
         cuda_graphs = static_decode_buffers or not cfg.enforce_eager
         self.startup.lap()
-        self.cache_plan = plan_cache(cfg, self.model, cache_dtype, self.max_model_len, scratch=cuda_graphs)
+        # ranks size their caches themselves (distributed/worker.py)
+        self.memory_profile = profile = None if isinstance(self.model, RankWorkers) else profile_memory(
+            cfg, self.model, cache_dtype, self.max_model_len)
+        if profile is not None:
+            self.startup.lap("memory profile")
+        self.cache_plan = plan_cache(cfg, self.model, cache_dtype, self.max_model_len, scratch=cuda_graphs,
+                                     activation_bytes=profile.peak_bytes if profile is not None else 0)
         log.info(self.cache_plan.describe())
         self.kv = KVCacheManager(cfg, self.model, self.cache_plan, cache_dtype)
         self.scheduler = Scheduler(cfg, self.kv)

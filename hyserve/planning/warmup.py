@@ -74,7 +74,7 @@ def token_ladder(budget: int) -> list[int]:
     return out + [budget] if budget >= 2 else out
 
 
-def _rung(t: int, longest: int, seqs: int, short: int) -> list[WarmupStep]:
+def rung_steps(t: int, longest: int, seqs: int, short: int) -> list[WarmupStep]:
     """The steps of token count t (`longest`: the longest sequence allowed, `seqs`: the most sequences)."""
     steps = []
     fresh = [min(longest, t - i) for i in range(0, t, longest)][:seqs]
@@ -106,12 +106,12 @@ def plan_warmup(cfg: EngineConfig, max_model_len: int, kv: KVCacheManager, decod
     if longest < 2 or seqs < 1:
         return []
     short = min(longest, kv.block_size + 1)
-    steps = [s for t in token_ladder(cfg.max_num_batched_tokens) for s in _rung(t, longest, seqs, short)]
+    steps = [s for t in token_ladder(cfg.max_num_batched_tokens) for s in rung_steps(t, longest, seqs, short)]
     steps += _bucket_steps(steps, cfg.max_num_batched_tokens, kda_heads, longest, seqs)
     if not decode_graphs:
         for n in graph_batch_sizes(min(seqs, cfg.max_num_batched_tokens)):
             steps += [WarmupStep((1,) * n, (ctx,) * n, f"{n} decodes over {ctx}", 0) for ctx in sorted({short, longest})]
-    return steps + _verify_steps(cfg, kv, longest, seqs, short)
+    return steps + verify_steps(cfg, kv, longest, seqs, short)
 
 
 def prefill_tokens(step: WarmupStep) -> int:
@@ -136,7 +136,7 @@ def _bucket_steps(steps: list[WarmupStep], budget: int, kda_heads: int, longest:
     return extra
 
 
-def _verify_steps(cfg: EngineConfig, kv: KVCacheManager, longest: int, seqs: int, short: int) -> list[WarmupStep]:
+def verify_steps(cfg: EngineConfig, kv: KVCacheManager, longest: int, seqs: int, short: int) -> list[WarmupStep]:
     """Verify steps of every draft count (speculative decoding only): each sequence takes a row of
     `kv.spec_width` state slots."""
     if cfg.speculative_config is None:
@@ -170,6 +170,14 @@ def run_warmup(model, kv: KVCacheManager, steps: list[WarmupStep], clock: Startu
 def _run(model, kv: KVCacheManager, steps: list[WarmupStep]) -> float:
     if not steps:
         return 0.0
+    seconds = run_steps(model, kv, steps)
+    _fresh_plans(model, max(s.num_tokens for s in steps))
+    return seconds
+
+
+def run_steps(model, kv: KVCacheManager, steps: list[WarmupStep], name: str = "warm-up") -> float:
+    """Run `steps` eagerly through a model runner on pages and slots lent by `kv` (given back after, in
+    the order taken); returns the seconds taken. `name` heads the progress lines."""
     t0, runner, vocab = time.perf_counter(), ModelRunner(model, kv), model.config.vocab_size
     pages = kv.blocks.allocate(-(-max(max(s.context_lens) for s in steps) // kv.block_size))
     slots = [kv.slots.allocate() for _ in range(max(len(s.query_lens) * (kv.spec_width if s.drafts else 1)
@@ -177,17 +185,16 @@ def _run(model, kv: KVCacheManager, steps: list[WarmupStep]) -> float:
     try:
         for i, step in enumerate(steps):
             runner.execute(SchedulerOutput([_seq(step, i, j, pages, slots, kv, vocab) for j in range(len(step.query_lens))]))
-            log.debug("warm-up step %d/%d: %s", i + 1, len(steps), step.label)
+            log.debug("%s step %d/%d: %s", name, i + 1, len(steps), step.label)
             if i + 1 == len(steps) or steps[i + 1].rung != step.rung:
                 if model.device.type == "cuda":
                     torch.cuda.synchronize(model.device)
                 what = {0: "eager decodes", VERIFY: "verify steps"}.get(step.rung, f"{step.rung} tokens")
-                log.info("warm-up: %s done (%d/%d steps, %.1f s)", what, i + 1, len(steps), time.perf_counter() - t0)
+                log.info("%s: %s done (%d/%d steps, %.1f s)", name, what, i + 1, len(steps), time.perf_counter() - t0)
     finally:
         kv.blocks.free(pages)
         for s in reversed(slots):
             kv.slots.free(s)
-    _fresh_plans(model, max(s.num_tokens for s in steps))
     return time.perf_counter() - t0
 
 
