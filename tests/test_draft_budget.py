@@ -1,12 +1,18 @@
-"""The n-gram draft budget (hyserve/spec_decode/draft_budget.py): each request verifies the drafts its measured
-acceptance predicts will survive, a step verifies drafts only when they pay for the step, and a request that
-was turned down is tried again later."""
+"""The draft budget (hyserve/spec_decode/draft_budget.py): each n-gram request verifies the drafts its measured
+acceptance predicts will survive, a step verifies drafts only when they pay for the step (a DSpark verify step
+with the drafter's forward), and a request that was turned down is tried again later."""
 
 from __future__ import annotations
 
 import pytest
 
-from hyserve.spec_decode.draft_budget import IDLE_DECAY, DraftBudget, step_seconds
+from hyserve.spec_decode.draft_budget import (
+    IDLE_DECAY,
+    STEP_OVERHEAD_S,
+    DraftBudget,
+    drafted_step_seconds,
+    step_seconds,
+)
 
 
 def linear_cost(tokens: int, verify: bool) -> float:
@@ -106,3 +112,19 @@ def test_step_seconds_grow_with_the_bytes_the_tokens_read_and_a_verify_waits_lon
     seconds = step_seconds(lambda tokens: 1e9 * tokens, 1e12)  # 1 ms a token at 1 TB/s
     assert seconds(2, False) - seconds(1, False) == pytest.approx(1e-3)
     assert seconds(1, True) > seconds(1, False)
+
+
+def test_a_drafted_verify_step_adds_one_drafting_call_and_a_plain_step_does_not():
+    def weight_bytes(tokens):
+        return 1e9 * tokens
+
+    target, drafted = step_seconds(weight_bytes, 1e12), drafted_step_seconds(weight_bytes, 1e12, drafter_bytes=2e9)
+    assert drafted(5, True) - target(5, True) == pytest.approx(2e-3 + STEP_OVERHEAD_S)
+    assert drafted(1, False) == target(1, False)
+
+
+def test_a_threshold_of_zero_keeps_every_proposed_draft_and_only_the_pay_rule_cuts():
+    budget = DraftBudget(0.0, linear_cost)
+    budget.record("a", verified=4, accepted=0)  # rate 0.5: its prefix rule at 0.3 would keep 1 draft
+    assert budget.lengths(["a"], [4], batch=1) == [4]
+    assert budget.lengths(["a"] + [f"r{i}" for i in range(31)], [4] + [0] * 31, batch=32) == [0] * 32

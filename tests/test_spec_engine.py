@@ -578,7 +578,8 @@ def test_serve_with_the_flag_shows_the_counters_on_metrics():
 def test_dspark_greedy_output_is_identical_and_drafts_match_the_reference(make_llm, tiny_model, drafter_dir):
     """method 'dspark' through the engine (the reference path): chunked prefill, preemption and async
     scheduling leave greedy outputs unchanged, and every block it drafts equals the reference proposer's
-    over the whole history (the drafter's context holds exactly the computed, accepted positions)."""
+    over the whole history (the drafter's context holds exactly the computed, accepted positions). Every
+    draft verified (no draft budget): a request that verified drafts drafts again at once."""
     from hyserve.spec_decode.dspark_io import load_drafter
     from hyserve.spec_decode.dspark_propose import DSparkProposer
     from hyserve.spec_decode.reference_loop import dspark_propose
@@ -587,7 +588,7 @@ def test_dspark_greedy_output_is_identical_and_drafts_match_the_reference(make_l
               async_scheduling=True)
     prompts = repetitive_prompts(4, 21)
     plain = run(make_llm(**kw), prompts)
-    llm = make_llm(speculative_config={"method": "dspark", "model": drafter_dir}, **kw)
+    llm = make_llm(speculative_config={"method": "dspark", "model": drafter_dir, "confidence_threshold": 0}, **kw)
     proposer, seen = llm.engine.spec.proposer, []
     original = proposer.propose
 
@@ -699,14 +700,14 @@ def test_dspark_with_prefix_caching_drafts_after_a_hit_and_keeps_the_output(make
     plain_llm, llm = make_llm(), make_llm(speculative_config=spec)
     plain = [run(plain_llm, prompts[:3]), run(plain_llm, prompts[3:])]  # in turn, so the second three hit
     decoder, first_rows = llm.engine.spec, []
-    original = decoder.proposer.add_context
+    original = decoder.proposer.extend
 
-    def add_context(rid, features, positions):
-        if rid not in decoder.proposer.rows and positions.numel():
-            first_rows.append(int(positions[0]))
-        original(rid, features, positions)
+    def extend(rid, features, start):
+        if rid not in decoder.proposer.rows and features.shape[0]:
+            first_rows.append(start)
+        original(rid, features, start)
 
-    decoder.proposer.add_context = add_context
+    decoder.proposer.extend = extend
     assert [run(llm, prompts[:3]), run(llm, prompts[3:])] == plain
     assert llm.engine.stats.prefix_cache_hits > 0 and max(first_rows) > 0  # a context started past 0
     st = llm.engine.stats.spec_decode

@@ -4,8 +4,10 @@ vLLM's names and defaults where it has the setting (method, num_speculative_toke
 prompt_lookup_min/max, draft_sample_method, rejection_sample_method, synthetic_acceptance_rates /
 synthetic_acceptance_length, disable_by_batch_size). `confidence_threshold` is hyserve's own: confidence-scheduled
 verification, from a DSpark drafter's confidence head, or for n-gram drafts from each request's measured
-acceptance (on by default there, with the rule that drafts must pay for the step: draft_budget.py;
-0 verifies every draft) (docs/speculative_decoding.md).
+acceptance (on by default there). Both methods run a draft budget by default (draft_budget.py: drafts are
+verified only when they pay for their step, a DSpark drafter's forward included, so a drafter that does not
+pay turns itself down); `confidence_threshold` 0 turns the budget off and verifies every draft, as vLLM does
+(docs/speculative_decoding.md, "Draft budget").
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ class SpeculativeConfig:
     # synthetic: entry i is the probability that drafts 0..i are all accepted (non-increasing)
     synthetic_acceptance_rates: list[float] | None = None
     synthetic_acceptance_length: float | None = None  # mean accepted per step incl. the bonus, in [1, k+1]
-    # verify the draft prefix whose predicted survival clears it (n-gram: None = DEFAULT_NGRAM_CONFIDENCE,
-    # and drafts must pay for their step; 0 verifies every draft)
+    # verify the draft prefix whose predicted survival clears it (n-gram: None = DEFAULT_NGRAM_CONFIDENCE;
+    # dspark: None = no cut, every block whole). Either way drafts must pay for their step (the draft budget);
+    # 0 verifies every draft, without a budget
     confidence_threshold: float | None = None
     # under load speculation turns itself off: a step whose running batch holds at least this many requests
     # verifies no drafts (a full batch is bound by the weights' reads, which drafts do not share out)

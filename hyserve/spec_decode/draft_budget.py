@@ -15,6 +15,10 @@ request drafts pads all the others, so under load few drafts never pay. When eve
 its full k could not pay, the engine does not wait for a step's tokens to draft (async scheduling overlaps
 the steps again). A request's counts decay every step it verifies nothing, so a request that was turned
 down is tried again later; requests decay together, so their retries land in the same step.
+
+DSpark drafts (engine_dspark.py) take the same budget with threshold 0: their confidence head, when
+configured, cuts the prefix per block, so only the measured rates and the pay rule apply, and a verify
+step also pays for the drafter's own forward (`drafted_step_seconds`).
 """
 
 from __future__ import annotations
@@ -51,7 +55,21 @@ def step_seconds(weight_bytes: Callable[[int], float], copy_bytes_per_s: float) 
                                    + (VERIFY_WAIT_S if verify else 0.0))
 
 
+def drafted_step_seconds(weight_bytes: Callable[[int], float], copy_bytes_per_s: float,
+                         drafter_bytes: float) -> StepSeconds:
+    """`step_seconds` for a drafter with a forward of its own (DSpark): a verify step also waits for one
+    drafting call, costed like a graph-replayed step of its own, the `drafter_bytes` it reads (its weights
+    and the target lm_head it shares for the draft logits: `DSparkDrafter.drafting_bytes`) / copy bandwidth +
+    STEP_OVERHEAD_S. A plain step costs what it costs without speculation: it drafts nothing."""
+    target = step_seconds(weight_bytes, copy_bytes_per_s)
+    drafting = drafter_bytes / copy_bytes_per_s + STEP_OVERHEAD_S
+    return lambda tokens, verify: target(tokens, verify) + (drafting if verify else 0.0)
+
+
 class DraftBudget:
+    """threshold: the survival a request's next draft needs (its prefix rule); 0 keeps every proposed
+    draft, so that only the step's pay rule (and the rates it reads) decides."""
+
     def __init__(self, threshold: float, seconds: StepSeconds):
         self.threshold, self.seconds = threshold, seconds
         self._tallies: dict[Hashable, _Tally] = {}

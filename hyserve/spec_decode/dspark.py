@@ -170,6 +170,16 @@ class DSparkDrafter(nn.Module):
             x = layer(x, positions, rows, ctx_visible)
         return self.norm(x)
 
+    def drafting_bytes(self) -> int:
+        """Weight bytes one drafting call reads: its own parameters but the Markov head's W1, an embedding
+        table of which only the drafted tokens' rows are read (as of the shared embedding: neither is
+        counted), plus the shared lm_head, read whole for the draft logits. `parameters()` holds none of
+        the shared tensors (`_shared` is a tuple, not a submodule)."""
+        skip = self.markov_in.weight
+        own = sum(p.numel() * p.element_size() for p in self.parameters() if p is not skip)
+        lm_head = self._target()[1].weight
+        return own + lm_head.numel() * lm_head.element_size()
+
     def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._target()[1](hidden).float()
 

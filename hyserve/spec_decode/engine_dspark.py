@@ -13,6 +13,14 @@ confidence threshold). With CUDA graphs on, `capture_graphs` gives the proposer 
 drafting blocks replay them (sampled ones under draft_sample_method "probabilistic"); the rows' drafter
 call runs eagerly; paged drafter rows are still to come. A prefix hit skips the target features of its cached tokens: such a request drafts from the
 context computed after the hit (fewer drafts accepted on long shared prefixes, the same output).
+
+A `DraftBudget` (draft_budget.py, threshold 0: the confidence head cuts the prefix where configured) decides
+before drafting whether a step's drafts pay for the verify step and the drafter's forward; requests it turns
+down draft nothing, and a step where nobody drafts runs no drafter forward. While no running request may
+draft, the context rows are not computed every step (an eager drafter call of many small kernels): the
+step's features are copied once, out of the graph buffer's reach, and queued until drafting resumes (the
+proposer computes its queue before drafting) or more than MAX_DEFERRED_ROWS positions would wait. `confidence_threshold` 0
+(or a synthetic curve) verifies every draft, without a budget.
 """
 
 from __future__ import annotations
@@ -26,10 +34,12 @@ from hyserve.engine.cuda_graphs import MAX_VERIFY_SEQS, graph_batch_sizes
 from hyserve.engine.phases import phase, phased
 from hyserve.spec_decode.confidence import threshold_lengths
 from hyserve.spec_decode.config import SpeculativeConfig
+from hyserve.spec_decode.draft_budget import DraftBudget, drafted_step_seconds
+from hyserve.spec_decode.dspark import DSparkDrafter
 from hyserve.spec_decode.dspark_graphs import DSparkGraphs, bytes_per_row, width_ladder
 from hyserve.spec_decode.dspark_io import load_drafter
 from hyserve.spec_decode.dspark_propose import DSparkProposer
-from hyserve.spec_decode.engine_step import SpecDecoder
+from hyserve.spec_decode.engine_step import SpecDecoder, target_step_cost
 from hyserve.spec_decode.target_features import feature_modules
 
 if TYPE_CHECKING:
@@ -39,10 +49,23 @@ if TYPE_CHECKING:
     from hyserve.engine.step_inputs import PendingTokens
 
 
+# at most this many positions' context rows wait (a step that would queue more computes them all): a budget
+# that never lets anyone draft (no drafts could pay even at full acceptance) must not keep every step's
+# features forever, and a long prefill chunk is computed at once rather than copied
+MAX_DEFERRED_ROWS = 4096
+
+
+def dspark_budget(spec: SpeculativeConfig, model: torch.nn.Module, drafter: DSparkDrafter) -> DraftBudget | None:
+    """The draft budget of a DSpark drafter: none at confidence_threshold 0 or under a synthetic curve."""
+    if spec.confidence_threshold == 0 or spec.rejection_sample_method == "synthetic":
+        return None
+    return DraftBudget(0.0, drafted_step_seconds(*target_step_cost(model), drafter.drafting_bytes()))
+
+
 class DSparkDecoder(SpecDecoder):
     def __init__(self, spec: SpeculativeConfig, max_model_len: int, model: torch.nn.Module, scheduler):
-        super().__init__(spec, max_model_len, scheduler)
         drafter = load_drafter(spec.model, model)
+        super().__init__(spec, max_model_len, scheduler, dspark_budget(spec, model, drafter))
         try:  # the layers exist and their outputs can be read
             feature_modules(model, drafter.config.target_layer_ids)
         except NotImplementedError as e:
@@ -55,17 +78,25 @@ class DSparkDecoder(SpecDecoder):
 
     def execute(self, runner: ModelRunner, out: SchedulerOutput, pending: PendingTokens | None) -> StepLogits:
         """The step's forward with the target features tapped; the rows of every computed position but
-        verify rows' go to the drafter's context now, verify rows' wait for the accepted count."""
+        verify rows' go to the drafter's context now, verify rows' wait for the accepted count. While the
+        budget lets no running request draft, the rows wait too (deferred, see the module docstring)."""
         self.forget(self.scheduler.running + self.scheduler.waiting)
         logits = runner.execute(out, pending)
         feats, at = logits.features, 0
+        defer = (not self.may_draft(self.scheduler.running)
+                 and self.proposer.queued_rows + feats.shape[0] <= MAX_DEFERRED_ROWS)
+        # a graph's feature buffer is the next replay's output: what outlives this step is a copy, one for
+        # the whole step when the rows wait (every request's rows are views of it), else the verify rows'
+        if defer:
+            feats = feats.clone()
         for s in out.seqs:
             rows, at = feats[at : at + s.num_new_tokens], at + s.num_new_tokens
-            if s.draft_ids:  # a copy: a graph's feature buffer is the next replay's output
-                self._verify_rows[s.req] = (rows.clone(), s.start)
+            if s.draft_ids:
+                self._verify_rows[s.req] = (rows if defer else rows.clone(), s.start)
             else:
                 self._add(s.req, rows, s.start)
-        self.proposer.flush()  # before the next forward overwrites a graph's feature buffer
+        if not defer:
+            self.proposer.flush()  # before the next forward overwrites a graph's feature buffer
         return logits
 
     def capture_graphs(self, max_batch: int) -> None:
@@ -87,8 +118,7 @@ class DSparkDecoder(SpecDecoder):
         proposer.truncate(rid, start)  # a preempted request computes again from 0 or from a prefix hit
         if rid in proposer.stores and proposer.num_context(rid) != start:  # a hit past its rows: start there
             proposer.free(rid)
-        # on the host: the proposer reads the first position without a device round trip
-        proposer.add_context(rid, rows, torch.arange(start, start + rows.shape[0]))
+        proposer.extend(rid, rows, start)  # positions start.. as host ints: no device round trip, no tensor op
 
     def after_verify(self, seqs: Sequence[ScheduledSeq]) -> None:
         """The accepted positions' rows join the context before drafting, so the request drafts again at once."""
@@ -104,6 +134,7 @@ class DSparkDecoder(SpecDecoder):
         for r in reqs:
             r.spec_token_ids = []
             self.probs.pop(r.request_id, None)
+        self._landed_without_verify(reqs)
         ctx = self.proposer.num_context
         live = [r for r in reqs if not r.is_finished and r.matcher is None and not r.num_pending
                 and ctx(r.request_id) == r.num_tokens - 1 and r.output_token_ids]
@@ -112,6 +143,13 @@ class DSparkDecoder(SpecDecoder):
                 self.proposer.free(r.request_id)
         if not live or not self.scheduler.speculating():  # under load the drafter's forward is saved too
             return
+        k = self.proposer.k
+        allowed = [k] * len(live)
+        if self.budget is not None:  # before drafting: drafts that could not pay cost no drafter forward
+            allowed = self.budget.lengths([r.request_id for r in live], allowed, len(self.scheduler.running))
+            live, allowed = [r for r, n in zip(live, allowed) if n], [n for n in allowed if n]
+            if not live:
+                return
         anchors = torch.tensor([r.output_token_ids[-1] for r in live])  # travels with the step's other inputs
         probabilistic = self.config.draft_sample_method == "probabilistic"
         temps = [0.0 if r.params.is_greedy else r.params.temperature for r in live] if probabilistic else None
@@ -124,9 +162,8 @@ class DSparkDecoder(SpecDecoder):
             out = torch.cat([out, room.to(out.dtype).unsqueeze(1)], 1)
         with phase("readback"):
             rows = out.tolist()  # one read-back for the batch: the drafts, then the verified count if cut
-        k = self.proposer.k
         for i, r in enumerate(live):
-            room = rows[i][k] if len(rows[i]) > k else k
+            room = min(rows[i][k] if len(rows[i]) > k else k, allowed[i])
             n = max(0, min(room, self.proposer.drafter.config.max_position_embeddings - r.num_tokens))
             r.spec_token_ids = rows[i][:n]
             if block.probs is not None:
@@ -147,9 +184,12 @@ class DSparkDecoder(SpecDecoder):
         return torch.cat(parts)
 
     def forget(self, running: Sequence[Request]) -> None:
-        """Drop the rows of requests that left (finished or aborted)."""
+        """Drop the rows (queued ones too) and the acceptance records of requests that left (finished or
+        aborted)."""
         keep = {r.request_id for r in running}
         for rid in [r for r in self.proposer.stores if r not in keep]:
             self.proposer.free(rid)
             self.probs.pop(rid, None)
+        if self.budget is not None and len(self.budget) > len(keep):
+            self.budget.retain(keep)
 

@@ -12,7 +12,7 @@ keeps at that point (a finish retains pages and the state) covers accepted token
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -46,14 +46,19 @@ def make_decoder(spec: SpeculativeConfig, max_model_len: int, model: torch.nn.Mo
 
 
 def _budget(spec: SpeculativeConfig, model: torch.nn.Module) -> DraftBudget | None:
-    """n-gram drafts' budget (draft_budget.py): none under a synthetic curve or a threshold of 0. Steps are
-    costed at the device's ceilings (the H200's where none are known: only their ratios matter)."""
+    """n-gram drafts' budget (draft_budget.py): none under a synthetic curve or a threshold of 0."""
     if spec.method != "ngram" or not spec.confidence_threshold:
         return None
+    return DraftBudget(spec.confidence_threshold, step_seconds(*target_step_cost(model)))
+
+
+def target_step_cost(model: torch.nn.Module) -> tuple[Callable[[int], float], float]:
+    """(the weight bytes a step of n tokens reads, the copy bandwidth): the target's steps costed at the
+    device's ceilings (the H200's where none are known: the budget reads only their ratios)."""
     device = getattr(model, "device", torch.device("cpu"))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     cost = StepCostModel(model.config, weight_bytes=model.dtype.itemsize)
-    return DraftBudget(spec.confidence_threshold, step_seconds(cost.weight_bytes, (ceilings_for(name) or H200).copy_bytes_per_s))
+    return cost.weight_bytes, (ceilings_for(name) or H200).copy_bytes_per_s
 
 
 class SpecDecoder:
