@@ -1,6 +1,7 @@
 """The draft budget (hyserve/spec_decode/draft_budget.py): each n-gram request verifies the drafts its measured
 acceptance predicts will survive, a step verifies drafts only when they pay for the step (a DSpark verify step
-with the drafter's forward), and a request that was turned down is tried again later."""
+with the drafter's forward), and a request that was turned down keeps being judged on the tokens it would have
+drafted (or, without such trials, is tried again later)."""
 
 from __future__ import annotations
 
@@ -128,3 +129,30 @@ def test_a_threshold_of_zero_keeps_every_proposed_draft_and_only_the_pay_rule_cu
     budget.record("a", verified=4, accepted=0)  # rate 0.5: its prefix rule at 0.3 would keep 1 draft
     assert budget.lengths(["a"], [4], batch=1) == [4]
     assert budget.lengths(["a"] + [f"r{i}" for i in range(31)], [4] + [0] * 31, batch=32) == [0] * 32
+
+
+def test_a_turned_down_draft_is_scored_once_the_token_at_its_position_is_known():
+    budget = DraftBudget(0.3, linear_cost)
+    budget.record("a", 4, 0)
+    before = budget.rate("a")
+    budget.expect("a", 5, 42)
+    assert not budget.judge("a", [1, 2, 3, 4, 5])  # position 5 not emitted yet
+    assert budget.judge("a", [1, 2, 3, 4, 5, 42])
+    assert budget.rate("a") > before
+    assert not budget.judge("a", [1, 2, 3, 4, 5, 42, 7])  # scored once
+
+
+def test_a_turned_down_draft_that_would_have_missed_lowers_the_rate():
+    budget = DraftBudget(0.3, linear_cost)
+    budget.record("a", 4, 2)
+    before = budget.rate("a")
+    budget.expect("a", 3, 42)
+    assert budget.judge("a", [1, 2, 3, 41])
+    assert budget.rate("a") < before
+
+
+def test_retain_forgets_the_turned_down_drafts_of_requests_that_left():
+    budget = DraftBudget(0.3, linear_cost)
+    budget.expect("a", 1, 42)
+    budget.retain(["b"])
+    assert not budget.judge("a", [1, 42])

@@ -729,3 +729,55 @@ def test_a_drafter_context_that_starts_past_zero_keeps_its_positions(tiny_model,
     assert proposer.num_context("r") == 6 and proposer.rows["r"][0].shape[0] == 1
     proposer.truncate("r", 4)  # before its first row: nothing is left
     assert proposer.num_context("r") == 0 and "r" not in proposer.first
+
+
+class Turning(Oracle):
+    """Wrong drafts until a request has `right_after` outputs, then the plain run's (always right)."""
+
+    def __init__(self, refs: dict[tuple[int, ...], list[int]], right_after: int):
+        super().__init__(refs, wrong=True)
+        self.exact, self.right_after, self.first_accepted = Exact(refs), right_after, {}
+
+    def propose(self, histories, keys=None):
+        wrong, right = super().propose(histories), self.exact.propose(histories)
+        return [r if len(h) - len(next(p for p in self.refs if tuple(h[: len(p)]) == p)) >= self.right_after else w
+                for h, w, r in zip(histories, wrong, right)]
+
+
+def test_a_turned_down_request_whose_drafts_keep_missing_is_not_tried_again(make_llm):
+    """Its turned-down drafts are still scored against the tokens emitted (shadow trials), so its rate stays
+    down: after the first misses no verify step carries its drafts (an idle decay alone retried every few
+    dozen steps)."""
+    prompts = repetitive_prompts(3, seed=5)
+    plain = run(make_llm(async_scheduling=True), prompts, LONG)
+    llm = make_llm(async_scheduling=True, speculative_config=BUDGETED)
+    llm.engine.spec.proposer = Oracle({tuple(p): o for p, o in zip(prompts, plain)}, wrong=True)
+    verified_at = []
+    land = llm.engine.spec.land
+
+    def spied(seqs, res, now, engine):
+        verified_at.extend(len(s.req.output_token_ids) for s in seqs if s.draft_ids)
+        return land(seqs, res, now, engine)
+
+    llm.engine.spec.land = spied
+    assert run(llm, prompts, LONG) == plain
+    assert verified_at and max(verified_at) < 10, verified_at
+
+
+def test_a_turned_down_request_drafts_again_as_soon_as_its_drafts_would_pass(make_llm):
+    prompts = repetitive_prompts(3, seed=5)
+    plain = run(make_llm(), prompts, LONG)
+    refs = {tuple(p): o for p, o in zip(prompts, plain)}
+    llm = make_llm(speculative_config=BUDGETED)
+    llm.engine.spec.proposer = Turning(refs, right_after=20)
+    accepted_at = []
+    land = llm.engine.spec.land
+
+    def spied(seqs, res, now, engine):
+        accepted_at.extend(len(s.req.output_token_ids) for s, a in zip(seqs, res.num_accepted.tolist()) if a)
+        return land(seqs, res, now, engine)
+
+    llm.engine.spec.land = spied
+    assert run(llm, prompts, LONG) == plain
+    assert accepted_at and min(accepted_at) <= 30, accepted_at
+    assert llm.engine.stats.spec_decode.num_accepted_tokens >= 40

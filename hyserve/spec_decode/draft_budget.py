@@ -13,8 +13,15 @@ the step's cost ratio, the time of a verify step of B rows of q tokens (a verify
 the tokens read, plus a fixed step overhead and the host work a verify step waits for). A batch where one
 request drafts pads all the others, so under load few drafts never pay. When even every request drafting
 its full k could not pay, the engine does not wait for a step's tokens to draft (async scheduling overlaps
-the steps again). A request's counts decay every step it verifies nothing, so a request that was turned
-down is tried again later; requests decay together, so their retries land in the same step.
+the steps again).
+
+A turned-down n-gram request keeps being judged at no cost (shadow trials): its first draft is remembered
+(`expect`) and scored against the token the target emits there (`judge`), which is what verifying it would
+have given (equal to the greedy token; for a sampled one, equal with the probability a one-hot draft is
+accepted with). So its rate follows its text: it drafts again as soon as its drafts would pass, and a
+request whose drafts keep missing is not retried. Counts of a request with no such trial (no draft to
+remember: a drafter without shadow trials, or no n-gram match) decay every step it verifies nothing, so it
+is tried again later; requests decay together, so their retries land in the same step.
 
 DSpark drafts (engine_dspark.py) take the same budget with threshold 0: their confidence head, when
 configured, cuts the prefix per block, so only the measured rates and the pay rule apply, and a verify
@@ -73,6 +80,7 @@ class DraftBudget:
     def __init__(self, threshold: float, seconds: StepSeconds):
         self.threshold, self.seconds = threshold, seconds
         self._tallies: dict[Hashable, _Tally] = {}
+        self._expected: dict[Hashable, tuple[int, int]] = {}  # key -> (position, token) of a turned-down draft
 
     def rate(self, key: Hashable) -> float:
         """The request's acceptance rate per draft (1.0 before any verify)."""
@@ -111,6 +119,21 @@ class DraftBudget:
         t.hits = VERIFY_DECAY * t.hits + accepted
         t.trials = VERIFY_DECAY * t.trials + accepted + (1 if accepted < verified else 0)
 
+    def expect(self, key: Hashable, position: int, token: int) -> None:
+        """The request's first draft, turned down, predicts `token` at `position` of its history."""
+        self._expected[key] = (position, token)
+
+    def judge(self, key: Hashable, history: Sequence[int]) -> bool:
+        """Score the request's turned-down draft once `history` (prompt and output tokens, sliceable) holds its
+        position: a trial of one draft, as a verify step would record it. True when a trial was recorded."""
+        expected = self._expected.get(key)
+        if expected is None or len(history) <= expected[0]:
+            return False
+        del self._expected[key]
+        position, token = expected
+        self.record(key, 1, int(history[position : position + 1][0] == token))
+        return True
+
     def idle(self, key: Hashable) -> None:
         """A step in which the request verified nothing."""
         t = self._tallies.get(key)
@@ -122,6 +145,8 @@ class DraftBudget:
         keep = set(keys)
         for key in [k for k in self._tallies if k not in keep]:
             del self._tallies[key]
+        for key in [k for k in self._expected if k not in keep]:
+            del self._expected[key]
 
     def __len__(self) -> int:
         return len(self._tallies)

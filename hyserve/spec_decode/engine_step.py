@@ -12,7 +12,7 @@ keeps at that point (a finish retains pages and the state) covers accepted token
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -93,7 +93,7 @@ class SpecDecoder:
         live = [r for r in reqs if not r.is_finished and r.matcher is None and not r.num_pending]
         for r in reqs:
             r.spec_token_ids = []
-        self._landed_without_verify(reqs)
+        self._landed_without_verify(reqs, self._judged(reqs))
         if not self.scheduler.speculating():  # under load (disable_by_batch_size) nothing drafts
             return
         k = self.config.num_speculative_tokens
@@ -107,6 +107,10 @@ class SpecDecoder:
         if self.budget is not None:
             keep = self.budget.lengths([r.request_id for r in live], [len(d) for d in proposals],
                                        len(self.scheduler.running))
+            for r, h, d, n in zip(live, histories, proposals, keep):
+                if d and not n:
+                    self.budget.expect(r.request_id, len(h), d[0])
+            self._expect_in_flight(reqs)
             proposals = [d[:n] for d, n in zip(proposals, keep)]
         for r, drafts in zip(live, proposals):
             if self.synthetic is not None:  # the curve judges no draft: every step verifies k (the AgentX runs')
@@ -114,11 +118,29 @@ class SpecDecoder:
                 drafts = list(drafts) + [last] * (k - len(drafts))
             r.spec_token_ids = drafts
 
-    def _landed_without_verify(self, reqs: Sequence[Request]) -> None:
-        """The budget's counts of the requests that verified nothing in the step that just landed decay."""
+    def _judged(self, reqs: Sequence[Request]) -> set[Request]:
+        """The requests whose turned-down draft the landed tokens just scored (draft_budget.py, shadow trials)."""
+        if self.budget is None:
+            return set()
+        return {r for r in reqs if self.budget.judge(r.request_id, TokenHistory(r.prompt_token_ids, r.output_token_ids))}
+
+    def _expect_in_flight(self, reqs: Sequence[Request]) -> None:
+        """Requests with a step in flight (async scheduling: the engine did not wait, as no draft could pay)
+        draft nothing; their first draft from the tokens known so far predicts the token in flight."""
+        waiting = [r for r in reqs if not r.is_finished and r.matcher is None and r.num_pending]
+        if not waiting:
+            return
+        histories = [TokenHistory(r.prompt_token_ids, r.output_token_ids) for r in waiting]
+        for r, h, d in zip(waiting, histories, self.proposer.propose(histories, [r.request_id for r in waiting])):
+            if d:
+                self.budget.expect(r.request_id, len(h), d[0])
+
+    def _landed_without_verify(self, reqs: Sequence[Request], judged: Collection[Request] = ()) -> None:
+        """The budget's counts of the requests that verified nothing in the step that just landed, and had no
+        shadow trial scored, decay."""
         if self.budget is not None:
             for r in reqs:
-                if r not in self._verified:
+                if r not in self._verified and r not in judged:
                     self.budget.idle(r.request_id)
         self._verified.clear()
 
