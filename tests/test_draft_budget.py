@@ -156,3 +156,12 @@ def test_retain_forgets_the_turned_down_drafts_of_requests_that_left():
     budget.expect("a", 1, 42)
     budget.retain(["b"])
     assert not budget.judge("a", [1, 42])
+
+
+def test_a_new_request_of_a_shadowed_budget_drafts_nothing_until_its_drafts_are_judged():
+    budget = DraftBudget(0.3, linear_cost, shadowed=True)
+    assert budget.lengths(["a"], [4], batch=1) == [0]
+    assert not budget.may_draft(["a"], 4, batch=1)
+    budget.expect("a", 3, 42)
+    assert budget.judge("a", [1, 2, 3, 42])
+    assert budget.lengths(["a"], [4], batch=1) == [4]

@@ -454,16 +454,17 @@ def test_the_draft_budget_verifies_every_draft_of_a_drafter_that_is_always_right
     assert st.num_draft_tokens >= K * (st.num_drafts - len(prompts))  # full drafts but at each request's end
 
 
-def test_steps_overlap_again_once_the_draft_budget_turns_every_request_down(make_llm):
-    """Async scheduling: once no request's drafts could pay, the engine does not wait for a step's tokens to
-    draft: later steps launch while the step before is in flight, and the output is the same."""
+def test_steps_overlap_while_the_draft_budget_lets_no_request_draft(make_llm):
+    """Async scheduling: while no request's drafts could pay (new requests' drafts are judged in the shadow
+    first, and these never pass), the engine does not wait for a step's tokens to draft: steps launch while
+    the step before is in flight, and the output is the same."""
     prompts = repetitive_prompts(2, seed=6)
     plain = run(make_llm(async_scheduling=True), prompts, LONG)
     llm = make_llm(async_scheduling=True, speculative_config=BUDGETED)
     llm.engine.spec.proposer = Oracle({tuple(p): o for p, o in zip(prompts, plain)}, wrong=True)
     overlapped = launches_overlapped(llm.engine)
     assert run(llm, prompts, LONG) == plain
-    assert not any(overlapped[:3]) and sum(overlapped[-20:]) >= 15
+    assert sum(overlapped) >= 0.9 * len(overlapped) and sum(overlapped[-20:]) >= 15
 
 
 def test_dspark_turns_itself_off_at_disable_by_batch_size(make_llm, drafter_dir):
@@ -746,7 +747,7 @@ class Turning(Oracle):
 
 def test_a_turned_down_request_whose_drafts_keep_missing_is_not_tried_again(make_llm):
     """Its turned-down drafts are still scored against the tokens emitted (shadow trials), so its rate stays
-    down: after the first misses no verify step carries its drafts (an idle decay alone retried every few
+    down: no verify step carries its drafts past its first few tokens (an idle decay alone retried every few
     dozen steps)."""
     prompts = repetitive_prompts(3, seed=5)
     plain = run(make_llm(async_scheduling=True), prompts, LONG)
@@ -761,7 +762,7 @@ def test_a_turned_down_request_whose_drafts_keep_missing_is_not_tried_again(make
 
     llm.engine.spec.land = spied
     assert run(llm, prompts, LONG) == plain
-    assert verified_at and max(verified_at) < 10, verified_at
+    assert max(verified_at, default=0) < 10, verified_at
 
 
 def test_a_turned_down_request_drafts_again_as_soon_as_its_drafts_would_pass(make_llm):

@@ -2,9 +2,9 @@
 pay for the step they make (docs/speculative_decoding.md, "Draft budget").
 
 An n-gram drafter has no confidence head, so a request's own record stands in for one: decayed counts of its
-verified drafts' outcomes give its acceptance rate a = (hits + 1) / (trials + 1) (one optimistic pseudo-trial:
-a new request drafts), and draft j's predicted survival is a^(j+1). A request verifies the prefix of drafts
-whose survival clears the config's `confidence_threshold`. The rate comes from earlier steps only, never from
+verified drafts' outcomes give its acceptance rate a = (hits + 1) / (trials + 1) (one optimistic pseudo-trial),
+and draft j's predicted survival is a^(j+1). A request verifies the prefix of drafts whose survival clears
+the config's `confidence_threshold`. The rate comes from earlier steps only, never from
 the drafts being judged, so this is a causal stopping rule (confidence.py) and outputs stay exact.
 
 A step's drafts must also pay: the tokens a row is expected to emit, 1 + the mean survival sum, must reach
@@ -15,7 +15,8 @@ request drafts pads all the others, so under load few drafts never pay. When eve
 its full k could not pay, the engine does not wait for a step's tokens to draft (async scheduling overlaps
 the steps again).
 
-A turned-down n-gram request keeps being judged at no cost (shadow trials): its first draft is remembered
+A turned-down n-gram request keeps being judged at no cost (shadow trials), and a new one starts there, with
+no record (a verify step of drafts that miss costs a batch-wide padded step): its first draft is remembered
 (`expect`) and scored against the token the target emits there (`judge`), which is what verifying it would
 have given (equal to the greedy token; for a sampled one, equal with the probability a one-hot draft is
 accepted with). So its rate follows its text: it drafts again as soon as its drafts would pass, and a
@@ -75,10 +76,13 @@ def drafted_step_seconds(weight_bytes: Callable[[int], float], copy_bytes_per_s:
 
 class DraftBudget:
     """threshold: the survival a request's next draft needs (its prefix rule); 0 keeps every proposed
-    draft, so that only the step's pay rule (and the rates it reads) decides."""
+    draft, so that only the step's pay rule (and the rates it reads) decides. shadowed: the drafter's
+    turned-down drafts are judged (`expect`/`judge`), so a request with no record yet drafts nothing: its
+    first drafts are judged in the shadow, not probed by a verify step (without shadow trials a new request
+    verifies its drafts once, the optimistic pseudo-trial)."""
 
-    def __init__(self, threshold: float, seconds: StepSeconds):
-        self.threshold, self.seconds = threshold, seconds
+    def __init__(self, threshold: float, seconds: StepSeconds, shadowed: bool = False):
+        self.threshold, self.seconds, self.shadowed = threshold, seconds, shadowed
         self._tallies: dict[Hashable, _Tally] = {}
         self._expected: dict[Hashable, tuple[int, int]] = {}  # key -> (position, token) of a turned-down draft
 
@@ -91,7 +95,8 @@ class DraftBudget:
         """How many of each request's `proposed` drafts the next step verifies, in a step of `batch` rows
         (at least the requests given): each request's surviving prefix, or none at all where they do not pay."""
         rates = [self.rate(k) for k in keys]
-        counts = [self._prefix(a, n) for a, n in zip(rates, proposed)]
+        counts = [0 if self.shadowed and k not in self._tallies else self._prefix(a, n)
+                  for k, a, n in zip(keys, rates, proposed)]
         return counts if self._pays(rates, counts, max(batch, len(keys), 1)) else [0] * len(counts)
 
     def may_draft(self, keys: Sequence[Hashable], k: int, batch: int) -> bool:

@@ -49,7 +49,7 @@ def _budget(spec: SpeculativeConfig, model: torch.nn.Module) -> DraftBudget | No
     """n-gram drafts' budget (draft_budget.py): none under a synthetic curve or a threshold of 0."""
     if spec.method != "ngram" or not spec.confidence_threshold:
         return None
-    return DraftBudget(spec.confidence_threshold, step_seconds(*target_step_cost(model)))
+    return DraftBudget(spec.confidence_threshold, step_seconds(*target_step_cost(model)), shadowed=True)
 
 
 def target_step_cost(model: torch.nn.Module) -> tuple[Callable[[int], float], float]:
