@@ -143,7 +143,8 @@ def test_the_warmup_is_on_by_default_for_cuda_only():
     assert resolve_config(EngineConfig(warmup=False), "cuda", "bfloat16").warmup is False
 
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+        "confidence_threshold": 0}  # every draft verified: the verify steps, not the budget, are under test
 
 
 def test_a_speculating_engine_warms_up_verify_rows_of_every_draft_count(make_engine):

@@ -90,7 +90,7 @@ def test_the_eager_drafting_step_does_not_wait_for_the_device(cuda_pair):
 def test_an_engine_with_graphs_replays_the_drafter_graphs_and_keeps_the_greedy_output(drafter_dir):
     kw = dict(device="cuda", dtype="float32", max_num_seqs=4, block_size=16, kv_cache_memory_bytes=64 << 20,
               enable_prefix_caching=False)
-    spec = {"method": "dspark", "model": drafter_dir}
+    spec = {"method": "dspark", "model": drafter_dir, "confidence_threshold": 0}  # every block verified
     prompts = repetitive_prompts(3, seed=5) + [list(range(40, 90))]
     plain = run(LLM("k3-tiny", enforce_eager=True, **kw), prompts)
     llm = LLM("k3-tiny", speculative_config=spec, **kw)

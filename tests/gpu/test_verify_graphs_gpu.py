@@ -68,7 +68,7 @@ def test_dspark_replays_its_verify_graphs_and_drafts_from_the_replayed_features(
     drafter gets the eager engine's features, so it drafts the same blocks, and the output is plain decoding's."""
     prompts = repetitive_prompts(3, seed=5)
     kw = {**KW, "enable_prefix_caching": False}
-    spec = {"method": "dspark", "model": drafter_dir}
+    spec = {"method": "dspark", "model": drafter_dir, "confidence_threshold": 0}  # every block verified
     plain = run(LLM("k3-tiny", enforce_eager=True, **kw), prompts)
     outs, blocks = [], []
     for eager in (True, False):
