@@ -59,6 +59,13 @@ class CachePlan:
         )
 
 
+def state_row_width(cfg: EngineConfig) -> int:
+    """State slots a running sequence takes: one per verified position (1 + num_speculative_tokens) when
+    speculating, else one."""
+    spec = cfg.speculative_config
+    return 1 + spec.num_speculative_tokens if spec is not None else 1
+
+
 def device_cache_budget(free: int, total: int, utilization: float, activation_bytes: int) -> int:
     """The bytes the cache may take on a device: total x utilization less what is in use now (total - free:
     weights, buffers, the CUDA context, other processes) less the largest steps' peak."""
@@ -98,7 +105,7 @@ def plan_cache(
         budget = _CPU_DEFAULT_POOL_BYTES
     spec = cfg.speculative_config
     # a speculating request owns a row of 1+K state slots, one per verified position
-    run_slots = cfg.max_num_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))
+    run_slots = cfg.max_num_seqs * state_row_width(cfg)
     ckpt_slots = checkpoint_slots(cfg, budget, slot_bytes)  # sized from the workload
     # the scratch slot comes on top of the sized default, so max_num_seqs requests can still run; an
     # explicit --num-state-slots count includes it
@@ -139,8 +146,7 @@ class KVCacheManager:
         run = usable - plan.num_checkpoint_slots
         self.slots = SlotPool(0, run)
         self.checkpoint_slots = SlotPool(run, usable)
-        spec = cfg.speculative_config
-        self.spec_width = 1 + spec.num_speculative_tokens if spec is not None else 1
+        self.spec_width = state_row_width(cfg)
         self.prefix: NoPrefixCache = NoPrefixCache()
         if cfg.enable_prefix_caching:
             self.prefix = PrefixCache(cfg, self.blocks, self.checkpoint_slots, self.tensors, plan.block_size,

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from hyserve.config import EngineConfig
-from hyserve.engine.kv_cache import KVCacheManager, plan_cache
+from hyserve.engine.kv_cache import KVCacheManager, plan_cache, state_row_width
 from hyserve.engine.sampler import Sampler, SamplingMetadata
 from hyserve.planning.warmup import WarmupStep, run_steps, rung_steps, verify_steps
 from hyserve.sampling_params import SamplingParams
@@ -74,9 +74,7 @@ def profile_steps(cfg: EngineConfig, kv: KVCacheManager, max_model_len: int) -> 
 
 def sampler_rows(cfg: EngineConfig) -> int:
     """The most rows one step samples: every sequence's verify row (1 + drafts), within the token budget."""
-    spec = cfg.speculative_config
-    width = 1 + (spec.num_speculative_tokens if spec is not None else 0)
-    return max(1, min(cfg.max_num_seqs * width, cfg.max_num_batched_tokens))
+    return max(1, min(cfg.max_num_seqs * state_row_width(cfg), cfg.max_num_batched_tokens))
 
 
 def profile_memory(cfg: EngineConfig, model, cache_dtype: torch.dtype, max_model_len: int) -> MemoryProfile | None:
@@ -110,11 +108,9 @@ def profile_memory(cfg: EngineConfig, model, cache_dtype: torch.dtype, max_model
 def _small_cache(cfg: EngineConfig, model, cache_dtype: torch.dtype, max_model_len: int) -> KVCacheManager:
     """A cache of just the pages and state slots the profiled steps take (no prefix cache, no scratch)."""
     longest, seqs, _ = profile_contexts(cfg, max_model_len, cfg.block_size)
-    spec = cfg.speculative_config
-    width = 1 + (spec.num_speculative_tokens if spec is not None else 0)
     # the block and slot counts size it: the byte budget (no mem_get_info) is only a placeholder
     small = dataclasses.replace(cfg, enable_prefix_caching=False, num_gpu_blocks=-(-longest // cfg.block_size),
-                                num_state_slots=seqs * width, kv_cache_memory_bytes=1)
+                                num_state_slots=seqs * state_row_width(cfg), kv_cache_memory_bytes=1)
     return KVCacheManager(small, model, plan_cache(small, model, cache_dtype, longest), cache_dtype)
 
 
