@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from hyserve.engine.kv_cache import device_cache_budget
+from hyserve.ops.mla_decode import MAX_EXPANDED_ROWS
 from hyserve.planning.memory_profile import (
     _small_cache,
     profile_contexts,
@@ -32,6 +33,15 @@ def test_the_profiled_steps_include_a_chunk_of_the_budget_over_a_cached_context(
     kv = _small_cache(engine.cfg, engine.model, engine.model.dtype, engine.max_model_len)
     steps = profile_steps(engine.cfg, kv, engine.max_model_len)
     assert any(s.query_lens == (BUDGET,) and s.context_lens == (2 * BUDGET,) for s in steps)
+
+
+def test_the_profiled_steps_include_a_chunk_at_the_end_of_the_longest_expanded_context(make_engine):
+    engine = make_engine("k3-tiny", warmup=False, max_num_batched_tokens=BUDGET, max_num_seqs=4)
+    kv = _small_cache(engine.cfg, engine.model, engine.model.dtype, engine.max_model_len)
+    longest = min(engine.max_model_len, MAX_EXPANDED_ROWS)
+    assert 2 * BUDGET < longest
+    assert any(s.query_lens == (BUDGET,) and s.context_lens == (longest,)
+               for s in profile_steps(engine.cfg, kv, engine.max_model_len))
 
 
 def test_a_speculating_engine_profiles_its_largest_verify_step(make_engine):

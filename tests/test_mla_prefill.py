@@ -101,3 +101,52 @@ def test_by_default_only_long_chunks_over_a_cached_context_split():
     assert split_plan(ql, cl, None) == [False, False, False, True, True]
     assert split_plan(ql, cl, False) == [False] * 5
     assert split_plan(ql, cl, True) == [False, True, True, True, True]
+
+
+def _bounded_case(ql: list[int], cl: list[int], seed: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    pages, bt = paged_pool(cl, R + DR, torch.float32, bs=BS)
+    pages.normal_(generator=gen)
+    kvb = torch.randn(H * (DN + DV), R, generator=gen) * 0.2
+    qn, qr = torch.randn(sum(ql), H, DN, generator=gen), torch.randn(sum(ql), H, DR, generator=gen)
+    return (qn, qr, pages, 1, bt, ql, cl, kvb, R, DV, (DN + DR) ** -0.5)
+
+
+# a long chunk over 60 cached rows, short ones around it, a fresh prompt and a one-token tail
+BOUNDED = ([13, 5, 1, 9, 20], [13, 65, 17, 9 + 24, 20 + 90])
+
+
+@pytest.mark.parametrize("max_rows", [8, 16, 40, 64])
+@pytest.mark.parametrize("split", [False, True], ids=["one-call", "split"])
+def test_a_step_over_more_cached_rows_than_the_bound_matches_the_reference(max_rows, split):
+    args = _bounded_case(*BOUNDED)
+    qn, qr, pages, _, bt, ql, cl, kvb, _, _, scale = args
+    out = mla_prefill_fast(*args, split=split, max_rows=max_rows)
+    q0 = 0
+    for i, (nq, nc) in enumerate(zip(ql, cl)):
+        rows = ref.gather_rows(pages, 1, bt[i], nc)
+        want = ref.mla_expanded(qn[q0 : q0 + nq], qr[q0 : q0 + nq], rows, kvb, R, DV, scale, nc - nq)
+        torch.testing.assert_close(out[q0 : q0 + nq], want, rtol=1e-4, atol=1e-5, msg=f"sequence {i}")
+        q0 += nq
+
+
+@pytest.mark.parametrize("max_rows", [16, 40, 64])
+def test_no_more_cached_rows_than_the_bound_or_a_chunk_are_expanded_at_once(monkeypatch, max_rows):
+    from hyserve.ops import mla_decode
+
+    expanded, expand = [], mla_decode._expand
+    monkeypatch.setattr(mla_decode, "_expand", lambda pages, layer, page, *a: expanded.append(page.numel())
+                        or expand(pages, layer, page, *a))
+    mla_prefill_fast(*_bounded_case(*BOUNDED), max_rows=max_rows)
+    # a chunk's own rows go at once (a chunk is at most the token budget): only the cached ones are bounded
+    assert max(expanded) <= max(max_rows, *BOUNDED[0]) and sum(expanded) == sum(BOUNDED[1])
+
+
+def test_a_step_within_the_bound_expands_its_rows_in_one_go(monkeypatch):
+    from hyserve.ops import mla_decode
+
+    expanded, expand = [], mla_decode._expand
+    monkeypatch.setattr(mla_decode, "_expand", lambda pages, layer, page, *a: expanded.append(page.numel())
+                        or expand(pages, layer, page, *a))
+    mla_prefill_fast(*_bounded_case(*BOUNDED), max_rows=sum(BOUNDED[1]))
+    assert expanded == [sum(BOUNDED[1])]

@@ -611,6 +611,7 @@ def mla_prefill_fast(
     q_nope: torch.Tensor, q_rope: torch.Tensor, pages: torch.Tensor, layer: int, block_tables: torch.Tensor,
     query_lens: list[int], context_lens: list[int], kv_b: torch.Tensor, kv_lora_rank: int, v_head_dim: int,
     scale: float, context_rows: tuple[torch.Tensor, torch.Tensor] | None = None, split: bool | None = None,
+    max_rows: int | None = None,
 ) -> torch.Tensor:
     """Expanded-form attention for prefill sequences laid end to end (q_* [Tq, H, d]).
 
@@ -628,19 +629,39 @@ def mla_prefill_fast(
     rows where cuDNN serves the inputs (`cudnn_split_mode`); False = one lower-right call per chunk; True = split
     every chunk over a cached context, through the math reference where cuDNN does not serve the inputs
     (the CPU tests).
+    `max_rows`: the most cached rows expanded at once (default MAX_EXPANDED_ROWS; see `_prefill_bounded`).
     """
+    bs = pages.shape[2]
+    page, row = context_rows if context_rows is not None else paged_rows(block_tables, context_lens, bs)
+    if page.numel() > (max_rows or MAX_EXPANDED_ROWS):
+        return _prefill_bounded(q_nope, q_rope, pages, layer, page, row, query_lens, context_lens, kv_b, kv_lora_rank,
+                                v_head_dim, scale, split, max_rows or MAX_EXPANDED_ROWS)
+    return _prefill_expanded(q_nope, q_rope, pages, layer, page, row, query_lens, context_lens, kv_b, kv_lora_rank,
+                             v_head_dim, scale, split)
+
+
+def _expand(pages: torch.Tensor, layer: int, page: torch.Tensor, row: torch.Tensor, kv_b: torch.Tensor,
+            kv_lora_rank: int, heads: int, v_head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k [S, H, dn + dr], v [S, H, d_v]) of the cached rows at (page, row): one gather, one up-projection."""
+    rows = pages[page, layer, row]  # [S, R + d_r]
+    dn = kv_b.shape[0] // heads - v_head_dim
+    kv = (rows[:, :kv_lora_rank].to(kv_b.dtype) @ kv_b.t()).view(page.numel(), heads, dn + v_head_dim)
+    k = torch.cat([kv[..., :dn], rows[:, None, kv_lora_rank:].to(kv.dtype).expand(-1, heads, -1)], -1)
+    return k, kv[..., dn:]
+
+
+def _prefill_expanded(q_nope: torch.Tensor, q_rope: torch.Tensor, pages: torch.Tensor, layer: int, page: torch.Tensor,
+                      row: torch.Tensor, query_lens: list[int], context_lens: list[int], kv_b: torch.Tensor,
+                      kv_lora_rank: int, v_head_dim: int, scale: float, split: bool | None) -> torch.Tensor:
+    """`mla_prefill_fast` with every sequence's cached rows expanded at once."""
     import torch.nn.functional as F
     from torch.nn.attention.bias import causal_lower_right
 
-    dev, bs = pages.device, pages.shape[2]
-    h, dn = q_nope.shape[1], q_nope.shape[2]
-    page, row = context_rows if context_rows is not None else paged_rows(block_tables, context_lens, bs)
-    total = page.numel()
-    rows = pages[page, layer, row]  # [S, R + d_r]
-    kv = (rows[:, :kv_lora_rank].to(kv_b.dtype) @ kv_b.t()).view(total, h, dn + v_head_dim)
-    k = torch.cat([kv[..., :dn], rows[:, None, kv_lora_rank:].to(kv.dtype).expand(-1, h, -1)], -1)
+    dev = pages.device
+    h = q_nope.shape[1]
+    k, v_lat = _expand(pages, layer, page, row, kv_b, kv_lora_rank, h, v_head_dim)
     q = torch.cat([q_nope, q_rope], -1).to(k.dtype)
-    splits, attend, v_split, v_padded = _prefill_values(q, k, kv[..., dn:], split_plan(query_lens, context_lens, split),
+    splits, attend, v_split, v_padded = _prefill_values(q, k, v_lat, split_plan(query_lens, context_lens, split),
                                                         split)
     out = torch.empty(q.shape[0], h, v_head_dim, dtype=k.dtype, device=dev)
     pad_fresh = pads_fresh(q)
@@ -663,3 +684,79 @@ def mla_prefill_fast(
             out[q0 : q0 + nq] = oi[0, :, :, :v_head_dim].transpose(0, 1)
         q0, c0 = q0 + nq, c0 + nc
     return out
+
+
+# The expanded form up-projects every cached row a prefill chunk attends to: 40 KB a row at the 48B shape
+# (32 heads; keys, values, values padded), so a chunk at the end of a 1M-token prompt would ask for 40 GB at
+# once. A step whose prefill sequences hold more cached rows than this expands them in groups of sequences,
+# and a sequence longer than this alone attends to its cached rows piece by piece (planning/memory_profile.py
+# profiles a step of this many rows)
+MAX_EXPANDED_ROWS = 32768
+
+
+def _prefill_bounded(q_nope: torch.Tensor, q_rope: torch.Tensor, pages: torch.Tensor, layer: int, page: torch.Tensor,
+                     row: torch.Tensor, query_lens: list[int], context_lens: list[int], kv_b: torch.Tensor,
+                     kv_lora_rank: int, v_head_dim: int, scale: float, split: bool | None, max_rows: int
+                     ) -> torch.Tensor:
+    """`mla_prefill_fast` expanding at most `max_rows` cached rows at a time: consecutive sequences grouped
+    while their rows fit, a longer sequence through `_prefill_pieces`. On CUDA without the cuDNN attention
+    that returns a log-sum-exp (the pieces' merge needs it), everything is expanded at once, as before."""
+    h = q_nope.shape[1]
+    out = torch.empty(q_nope.shape[0], h, v_head_dim, dtype=kv_b.dtype, device=pages.device)
+    q_off, c_off = [0], [0]
+    for nq, nc in zip(query_lens, context_lens):
+        q_off.append(q_off[-1] + nq)
+        c_off.append(c_off[-1] + nc)
+
+    def group(i: int, j: int) -> None:  # sequences i..j-1, expanded at once
+        if i < j:
+            qs, cs = slice(q_off[i], q_off[j]), slice(c_off[i], c_off[j])
+            out[qs] = _prefill_expanded(q_nope[qs], q_rope[qs], pages, layer, page[cs], row[cs], query_lens[i:j],
+                                        context_lens[i:j], kv_b, kv_lora_rank, v_head_dim, scale, split)
+
+    start = 0
+    for i, nc in enumerate(context_lens):
+        if nc > max_rows:
+            group(start, i)
+            qs, cs = slice(q_off[i], q_off[i + 1]), slice(c_off[i], c_off[i + 1])
+            o = _prefill_pieces(q_nope[qs], q_rope[qs], pages, layer, page[cs], row[cs], kv_b, kv_lora_rank,
+                                v_head_dim, scale, max_rows)
+            if o is None:  # no attention with a log-sum-exp to merge pieces by on this device
+                return _prefill_expanded(q_nope, q_rope, pages, layer, page, row, query_lens, context_lens, kv_b,
+                                         kv_lora_rank, v_head_dim, scale, split)
+            out[qs] = o
+            start = i + 1
+        elif c_off[i + 1] - c_off[start] > max_rows:
+            group(start, i)
+            start = i
+    group(start, len(context_lens))
+    return out
+
+
+def _prefill_pieces(q_nope: torch.Tensor, q_rope: torch.Tensor, pages: torch.Tensor, layer: int, page: torch.Tensor,
+                    row: torch.Tensor, kv_b: torch.Tensor, kv_lora_rank: int, v_head_dim: int, scale: float,
+                    max_rows: int) -> torch.Tensor | None:
+    """One chunk of L queries at the end of its S = page.numel() rows: its queries over the S - L cached rows,
+    `max_rows` at a time without a mask, then over its own L rows causally, every part merged by log-sum-exp
+    in fp32. [L, H, d_v]; None where no attention returning a log-sum-exp serves the inputs on CUDA (the
+    math reference would materialize [H, L, max_rows] fp32 scores)."""
+    h, nq = q_nope.shape[1], q_nope.shape[0]
+    cached = page.numel() - nq
+    q = torch.cat([q_nope, q_rope], -1).to(kv_b.dtype).transpose(0, 1).unsqueeze(0)  # [1, H, L, d]
+    o_acc = lse_acc = None
+    for s in [*range(0, cached, max_rows), cached]:
+        e = min(cached, s + max_rows) if s < cached else page.numel()
+        k, v = _expand(pages, layer, page[s:e], row[s:e], kv_b, kv_lora_rank, h, v_head_dim)
+        mode = cudnn_split_mode(k, k, v)
+        if mode is None and q.is_cuda:
+            return None
+        attend = reference_attention_lse if mode is None else cudnn_attention_lse
+        v = split_values(v, mode or "narrow", k.shape[-1])
+        o, lse = attend(q, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), s == cached, scale)
+        o, lse = o[..., :v_head_dim].float(), lse.float()
+        if o_acc is None:
+            o_acc, lse_acc = o, lse
+        else:
+            o_acc = merge_attention(o_acc, lse_acc, o, lse)
+            lse_acc = torch.logaddexp(lse_acc, lse)
+    return o_acc[0].transpose(0, 1).to(kv_b.dtype)

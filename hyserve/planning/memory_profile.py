@@ -9,12 +9,13 @@ their share. Now the cache gets total x gpu_memory_utilization minus what is in 
 the profiled peak, and the margin is left to the graphs' private pools, fragmentation and other processes.
 
 The profiled steps are the warm-up's steps of the full token budget (a fresh prefill, a chunk over a cached
-context, mixed steps beside decodes; planning/warmup.py) and, when speculating, its largest verify step,
-run eagerly on a small cache of their own that is freed again. Then the sampler runs once over as many rows
-as a step can sample, with the sampling features that allocate the most (penalties, top-k/top-p, logprobs).
+context, mixed steps beside decodes; planning/warmup.py), a chunk of the budget at the end of a context of
+MAX_EXPANDED_ROWS (the most cached rows an MLA prefill expands at once, ops/mla_decode.py) and, when
+speculating, its largest verify step, run eagerly on a small cache of their own that is freed again. Then
+the sampler runs once over as many rows as a step can sample, with the sampling features that allocate the
+most (penalties, top-k/top-p, logprobs).
 The peak is torch's allocator high-water mark above what was in use before the run (the small cache not
-counted): what the default pool must be able to hand out. Steps that reach further than these (a prefill
-chunk at the end of a context longer than twice the budget expands more cached keys) are not covered.
+counted): what the default pool must be able to hand out.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 from hyserve.config import EngineConfig
 from hyserve.engine.kv_cache import KVCacheManager, plan_cache, state_row_width
 from hyserve.engine.sampler import Sampler, SamplingMetadata
+from hyserve.ops.mla_decode import MAX_EXPANDED_ROWS
 from hyserve.planning.warmup import WarmupStep, run_steps, rung_steps, verify_steps
 from hyserve.sampling_params import SamplingParams
 
@@ -50,10 +52,11 @@ class MemoryProfile:
 
 
 def profile_contexts(cfg: EngineConfig, max_model_len: int, block_size: int) -> tuple[int, int, int]:
-    """(longest context, most sequences, shortest context) the profiled steps use: contexts up to twice the
-    token budget (a chunk of the budget over as much cached), within max_model_len."""
+    """(longest context, most sequences, shortest context) the profiled steps use: contexts up to the most
+    cached rows an MLA prefill expands at once (MAX_EXPANDED_ROWS) or twice the token budget, within
+    max_model_len."""
     budget = cfg.max_num_batched_tokens
-    longest = min(max_model_len, 2 * budget)
+    longest = min(max_model_len, max(2 * budget, MAX_EXPANDED_ROWS))
     return longest, min(cfg.max_num_seqs, budget), min(longest, block_size + 1)
 
 
@@ -65,7 +68,10 @@ def profile_steps(cfg: EngineConfig, kv: KVCacheManager, max_model_len: int) -> 
     seqs = min(seqs, kv.slots.num_free)
     if longest < 2 or seqs < 1:
         return []
-    steps = rung_steps(cfg.max_num_batched_tokens, longest, seqs, short)
+    budget = cfg.max_num_batched_tokens
+    steps = rung_steps(budget, longest, seqs, short)
+    if 2 * budget < longest:  # a chunk at the end of a long prompt: the MLA layers' largest expansion
+        steps.append(WarmupStep((budget,), (longest,), f"prefill {budget} over {longest - budget} cached", budget))
     verify = verify_steps(cfg, kv, longest, seqs, short)
     if verify:
         steps.append(max(verify, key=lambda s: (s.num_tokens, max(s.context_lens))))

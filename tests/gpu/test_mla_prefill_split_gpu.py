@@ -119,3 +119,35 @@ def test_fresh_prompt_on_the_length_ladder_equals_its_unpadded_causal_call(n):
     want = fresh_attention(q, k, v, (DN + DR) ** -0.5, rows=n)
     assert fresh_len(n) % 256 == 0 and got.shape == want.shape
     assert rel_err(got, want) < 1e-2
+
+
+@pytest.mark.parametrize("ql,cl,max_rows", [([2048], [40960], 16384), ([512, 3, 300], [20000, 9000, 300], 8192)],
+                         ids=["2048-over-38912-in-16384-row-pieces", "mixed-in-8192-row-groups"])
+def test_a_bounded_prefill_matches_the_prefill_that_expands_every_row_at_once(ql, cl, max_rows):
+    """A long context attended piece by piece (cuDNN with its log-sum-exp, merged in fp32), and sequences
+    expanded in groups, against the whole context expanded at once."""
+    qn, qr, pages, bt, kvb = _inputs(ql, cl, 7)
+    scale = (DN + DR) ** -0.5
+    whole = mla_prefill_fast(qn, qr, pages, 1, bt, ql, cl, kvb, R, DV, scale, max_rows=sum(cl))
+    bounded = mla_prefill_fast(qn, qr, pages, 1, bt, ql, cl, kvb, R, DV, scale, max_rows=max_rows)
+    q0 = 0
+    for i, nq in enumerate(ql):
+        assert rel_err(bounded[q0 : q0 + nq], whole[q0 : q0 + nq]) < 1e-2, i
+        q0 += nq
+
+
+@pytest.mark.skipif(not HOPPER, reason="measured on Hopper")
+def test_a_bounded_prefill_over_a_long_context_allocates_a_piece_not_the_context():
+    ql, cl, max_rows = [1024], [131072], 16384
+    qn, qr, pages, bt, kvb = _inputs(ql, cl, 8)
+    scale = (DN + DR) ** -0.5
+    peaks = []
+    for rows in (max_rows, sum(cl)):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        mla_prefill_fast(qn, qr, pages, 1, bt, ql, cl, kvb, R, DV, scale, max_rows=rows)
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+    per_row = H * (2 * (DN + DV) + 2 * (DN + DR)) * 2  # kv, k and at most two value forms, bf16
+    assert peaks[0] < 2 * max_rows * per_row < peaks[1]
