@@ -690,8 +690,9 @@ def _prefill_expanded(q_nope: torch.Tensor, q_rope: torch.Tensor, pages: torch.T
 # (32 heads; keys, values, values padded), so a chunk at the end of a 1M-token prompt would ask for 40 GB at
 # once. A step whose prefill sequences hold more cached rows than this expands them in groups of sequences,
 # and a sequence longer than this alone attends to its cached rows piece by piece (planning/memory_profile.py
-# profiles a step of this many rows)
-MAX_EXPANDED_ROWS = 32768
+# profiles a step of this many rows). As large as vLLM's MLA context workspace (128K rows): a piece's cuDNN
+# call builds a plan per new shape (~40-110 ms), so contexts that fit stay on the one-call path
+MAX_EXPANDED_ROWS = 131072
 
 
 def _prefill_bounded(q_nope: torch.Tensor, q_rope: torch.Tensor, pages: torch.Tensor, layer: int, page: torch.Tensor,
