@@ -24,22 +24,31 @@ from hyserve.ops.mla_decode import (
 H, DN, DR, DV, R, BS = 4, 16, 8, 16, 32, 8
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["one-call", "split"])
-def test_prefill_chunks_with_and_without_cached_context_match_the_reference(split):
-    gen = torch.Generator().manual_seed(0)
-    ql, cl = [13, 5, 1, 9], [13, 40, 17, 9 + 24]  # from 0; over 35 cached rows; one token; over 24
+def _prefill_case(ql: list[int], cl: list[int], seed: int = 1) -> tuple:
+    """mla_prefill_fast's arguments for chunks of ql queries at the end of cl rows (layer 1 of the pool)."""
+    gen = torch.Generator().manual_seed(seed)
     pages, bt = paged_pool(cl, R + DR, torch.float32, bs=BS)
     pages.normal_(generator=gen)
     kvb = torch.randn(H * (DN + DV), R, generator=gen) * 0.2
     qn, qr = torch.randn(sum(ql), H, DN, generator=gen), torch.randn(sum(ql), H, DR, generator=gen)
-    scale = (DN + DR) ** -0.5
-    out = mla_prefill_fast(qn, qr, pages, 1, bt, ql, cl, kvb, R, DV, scale, split=split)
+    return (qn, qr, pages, 1, bt, ql, cl, kvb, R, DV, (DN + DR) ** -0.5)
+
+
+def _assert_matches_reference(out: torch.Tensor, args: tuple) -> None:
+    qn, qr, pages, layer, bt, ql, cl, kvb, _, _, scale = args
     q0 = 0
     for i, (nq, nc) in enumerate(zip(ql, cl)):
-        rows = ref.gather_rows(pages, 1, bt[i], nc)
+        rows = ref.gather_rows(pages, layer, bt[i], nc)
         want = ref.mla_expanded(qn[q0 : q0 + nq], qr[q0 : q0 + nq], rows, kvb, R, DV, scale, nc - nq)
         torch.testing.assert_close(out[q0 : q0 + nq], want, rtol=1e-4, atol=1e-5, msg=f"sequence {i}")
         q0 += nq
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one-call", "split"])
+def test_prefill_chunks_with_and_without_cached_context_match_the_reference(split):
+    # from 0; over 35 cached rows; one token; over 24
+    args = _prefill_case([13, 5, 1, 9], [13, 40, 17, 9 + 24], seed=0)
+    _assert_matches_reference(mla_prefill_fast(*args, split=split), args)
 
 
 def _qkv(nq: int, nc: int, d: int = 24, d_v: int = 16, seed: int = 0):
@@ -103,15 +112,6 @@ def test_by_default_only_long_chunks_over_a_cached_context_split():
     assert split_plan(ql, cl, True) == [False, True, True, True, True]
 
 
-def _bounded_case(ql: list[int], cl: list[int], seed: int = 1):
-    gen = torch.Generator().manual_seed(seed)
-    pages, bt = paged_pool(cl, R + DR, torch.float32, bs=BS)
-    pages.normal_(generator=gen)
-    kvb = torch.randn(H * (DN + DV), R, generator=gen) * 0.2
-    qn, qr = torch.randn(sum(ql), H, DN, generator=gen), torch.randn(sum(ql), H, DR, generator=gen)
-    return (qn, qr, pages, 1, bt, ql, cl, kvb, R, DV, (DN + DR) ** -0.5)
-
-
 # a long chunk over 60 cached rows, short ones around it, a fresh prompt and a one-token tail
 BOUNDED = ([13, 5, 1, 9, 20], [13, 65, 17, 9 + 24, 20 + 90])
 
@@ -119,15 +119,8 @@ BOUNDED = ([13, 5, 1, 9, 20], [13, 65, 17, 9 + 24, 20 + 90])
 @pytest.mark.parametrize("max_rows", [8, 16, 40, 64])
 @pytest.mark.parametrize("split", [False, True], ids=["one-call", "split"])
 def test_a_step_over_more_cached_rows_than_the_bound_matches_the_reference(max_rows, split):
-    args = _bounded_case(*BOUNDED)
-    qn, qr, pages, _, bt, ql, cl, kvb, _, _, scale = args
-    out = mla_prefill_fast(*args, split=split, max_rows=max_rows)
-    q0 = 0
-    for i, (nq, nc) in enumerate(zip(ql, cl)):
-        rows = ref.gather_rows(pages, 1, bt[i], nc)
-        want = ref.mla_expanded(qn[q0 : q0 + nq], qr[q0 : q0 + nq], rows, kvb, R, DV, scale, nc - nq)
-        torch.testing.assert_close(out[q0 : q0 + nq], want, rtol=1e-4, atol=1e-5, msg=f"sequence {i}")
-        q0 += nq
+    args = _prefill_case(*BOUNDED)
+    _assert_matches_reference(mla_prefill_fast(*args, split=split, max_rows=max_rows), args)
 
 
 @pytest.mark.parametrize("max_rows", [16, 40, 64])
@@ -137,7 +130,7 @@ def test_no_more_cached_rows_than_the_bound_or_a_chunk_are_expanded_at_once(monk
     expanded, expand = [], mla_decode._expand
     monkeypatch.setattr(mla_decode, "_expand", lambda pages, layer, page, *a: expanded.append(page.numel())
                         or expand(pages, layer, page, *a))
-    mla_prefill_fast(*_bounded_case(*BOUNDED), max_rows=max_rows)
+    mla_prefill_fast(*_prefill_case(*BOUNDED), max_rows=max_rows)
     # a chunk's own rows go at once (a chunk is at most the token budget): only the cached ones are bounded
     assert max(expanded) <= max(max_rows, *BOUNDED[0]) and sum(expanded) == sum(BOUNDED[1])
 
@@ -148,5 +141,5 @@ def test_a_step_within_the_bound_expands_its_rows_in_one_go(monkeypatch):
     expanded, expand = [], mla_decode._expand
     monkeypatch.setattr(mla_decode, "_expand", lambda pages, layer, page, *a: expanded.append(page.numel())
                         or expand(pages, layer, page, *a))
-    mla_prefill_fast(*_bounded_case(*BOUNDED), max_rows=sum(BOUNDED[1]))
+    mla_prefill_fast(*_prefill_case(*BOUNDED), max_rows=sum(BOUNDED[1]))
     assert expanded == [sum(BOUNDED[1])]
